@@ -1,0 +1,42 @@
+"""optree helpers that see through :class:`Sharded` (the library's pytree namespace).
+
+Without the namespace a ``Sharded`` is a leaf; with it, a node whose only child is its local
+tensor. Optimizers and user ``tree_map`` calls use the namespaced view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+NAMESPACE = "functional_fsdp"
+
+
+def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, **kwargs: Any) -> Any:
+    """``optree.tree_map`` over local tensors (``Sharded`` values are seen through).
+
+    Example:
+        >>> import torch
+        >>> tree_map(lambda t: t * 2, {"w": torch.ones(2)})
+        {'w': tensor([2., 2.])}
+    """
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE, **kwargs)
+
+
+def tree_leaves(tree: Any, **kwargs: Any) -> list[Any]:
+    """The local tensors (and other leaves) of ``tree``, ``Sharded`` values seen through."""
+    return optree.tree_leaves(tree, namespace=NAMESPACE, **kwargs)
+
+
+def tree_flatten(tree: Any, **kwargs: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """``optree.tree_flatten`` with ``Sharded`` values seen through."""
+    return optree.tree_flatten(tree, namespace=NAMESPACE, **kwargs)
+
+
+def keystr(path: tuple[Any, ...]) -> str:
+    """A key path as Python indexing, e.g. ``['blocks'][0]['weight']`` (``<root>`` if empty)."""
+    if not path:
+        return "<root>"
+    return "".join(f"[{k!r}]" for k in path)

@@ -1,0 +1,369 @@
+"""Differentiable collectives over named mesh axes. The only module that talks to c10d.
+
+Each collective is an ``autograd.Function`` with ``setup_context`` built on the c10d
+functional ops, so it works under plain autograd and inside ``torch.func.grad``,
+``grad_and_value`` and ``vjp``. Transposes:
+
+* :func:`all_gather` and :func:`reduce_scatter` are each other's transpose.
+* :func:`all_reduce` (forward psum, backward identity) and :func:`all_reduce_grad`
+  (forward identity, backward psum) are each other's transpose; these are Megatron's
+  ``reduce_from`` and ``copy_to``.
+
+Every call is recorded by the active :func:`count_comms` counters. A collective over an axis
+of size 1 is skipped and not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from .mesh import axis_sizes
+
+ReduceOp = Literal["sum", "mean"]
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective issued by this rank.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        axis: the mesh axis it ran over.
+        group_size: ranks in the group.
+        bytes: bytes this rank sends in a ring implementation: ``(n-1)/n`` of the gathered
+            (all-gather) or input (reduce-scatter) buffer, twice that for all-reduce.
+        dtype: element type of the buffer.
+    """
+
+    kind: str
+    axis: str
+    group_size: int
+    bytes: int
+    dtype: torch.dtype
+
+
+@dataclass
+class CommCounter:
+    """Collectives recorded inside a :func:`count_comms` block.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     w = ff.shard(torch.ones(4, 4), mesh, ff.P("dp"))
+        ...     with ff.count_comms() as comms:
+        ...         _ = ff.gather(w)
+        ...     comms.count("all_gather"), comms.bytes("all_gather")
+        (1, 32)
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def count(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Number of collectives, optionally of one kind and/or over one axis."""
+        return sum(1 for r in self._select(kind, axis))
+
+    def bytes(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Bytes sent per rank, optionally of one kind and/or over one axis."""
+        return sum(r.bytes for r in self._select(kind, axis))
+
+    def by_kind_and_axis(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(kind, axis): (count, bytes)}``."""
+        out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        for r in self.records:
+            out[(r.kind, r.axis)][0] += 1
+            out[(r.kind, r.axis)][1] += r.bytes
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def summary(self) -> str:
+        """A small text table of counts and bytes by kind and axis."""
+        lines = [f"{'kind':<16}{'axis':<12}{'count':>7}{'bytes':>14}"]
+        for (kind, axis), (n, b) in sorted(self.by_kind_and_axis().items()):
+            lines.append(f"{kind:<16}{axis:<12}{n:>7}{b:>14,}")
+        return "\n".join(lines)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def _select(self, kind: str | None, axis: str | None) -> Iterator[CommRecord]:
+        return (
+            r
+            for r in self.records
+            if (kind is None or r.kind == kind) and (axis is None or r.axis == axis)
+        )
+
+
+_COUNTERS: contextvars.ContextVar[tuple[CommCounter, ...]] = contextvars.ContextVar(
+    "functional_fsdp_comm_counters", default=()
+)
+
+
+@contextlib.contextmanager
+def count_comms() -> Iterator[CommCounter]:
+    """Record every collective this library issues inside the block (nestable).
+
+    Backward-pass collectives are recorded too, as long as backward runs inside the block.
+    """
+    counter = CommCounter()
+    token = _COUNTERS.set((*_COUNTERS.get(), counter))
+    try:
+        yield counter
+    finally:
+        _COUNTERS.reset(token)
+
+
+def _record(kind: str, axis: str, n: int, buffer_bytes: int, dtype: torch.dtype) -> None:
+    counters = _COUNTERS.get()
+    if counters:
+        factor = 2 if kind == "all_reduce" else 1
+        rec = CommRecord(kind, axis, n, factor * buffer_bytes * (n - 1) // n, dtype)
+        for c in counters:
+            c.records.append(rec)
+
+
+# --------------------------------------------------------------------------- raw ops
+
+
+def _group(mesh: DeviceMesh, axis: str) -> Any:
+    return mesh.get_group(axis)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+    """All-gather ``x`` over ``axis`` along a new leading dim: ``[size(axis), *x.shape]``.
+
+    Not differentiable; returns an async tensor that waits on first use.
+    """
+    n = axis_sizes(mesh)[axis]
+    if n == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous()
+    _record("all_gather", axis, n, _nbytes(x) * n, x.dtype)
+    with torch.no_grad():
+        out = funcol.all_gather_single(x.reshape(-1), 0, _group(mesh, axis))
+    return out.view(n, *x.shape)
+
+
+def raw_reduce_scatter(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str, op: ReduceOp = "sum"
+) -> torch.Tensor:
+    """Reduce ``x`` (shape ``[size(axis), *rest]``) over ``axis`` and keep row ``index(axis)``.
+
+    Not differentiable; returns an async tensor that waits on first use.
+    """
+    n = axis_sizes(mesh)[axis]
+    if x.shape[0] != n:
+        raise ValueError(f"reduce_scatter over {axis!r} needs a leading dim of {n}, got {x.shape}")
+    if n == 1:
+        out = x[0]
+    else:
+        x = x.contiguous()
+        _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
+        with torch.no_grad():
+            out = funcol.reduce_scatter_single(x.reshape(-1), "sum", 0, _group(mesh, axis))
+        out = out.view(x.shape[1:])
+    return out / n if op == "mean" else out
+
+
+def raw_all_reduce(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str | tuple[str, ...], op: ReduceOp = "sum"
+) -> torch.Tensor:
+    """Sum (or average) ``x`` over one or several axes. Not differentiable."""
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    sizes = axis_sizes(mesh)
+    total = 1
+    for a in axes:
+        n = sizes[a]
+        total *= n
+        if n == 1:
+            continue
+        _record("all_reduce", a, n, _nbytes(x), x.dtype)
+        with torch.no_grad():
+            x = funcol.all_reduce(x.contiguous(), "sum", _group(mesh, a))
+    return x / total if op == "mean" else x
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """Block until an async collective result is ready (a no-op for plain tensors)."""
+    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+# --------------------------------------------------------------------------- differentiable
+
+
+def _move_leading(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[n, d0, .., dk, ..] -> [d0, .., n*dk, ..]``: merge the group dim into ``dim``."""
+    if dim == 0:
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    x = x.movedim(0, dim)
+    return x.reshape(*x.shape[:dim], x.shape[dim] * x.shape[dim + 1], *x.shape[dim + 2 :])
+
+
+def _split_leading(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`_move_leading`: ``[.., n*dk, ..] -> [n, .., dk, ..]``."""
+    x = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
+    return x.movedim(dim, 0)
+
+
+def _check_dim(x: torch.Tensor, dim: int, n: int, name: str, axis: str) -> None:
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"{name}: dim {dim} is out of range for a tensor of shape {x.shape}")
+    if name == "reduce_scatter" and x.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter over {axis!r} (size {n}) needs dim {dim} of shape "
+            f"{tuple(x.shape)} to divide by {n}; pad it first"
+        )
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int) -> torch.Tensor:  # type: ignore[override]
+        return _move_leading(wait(raw_all_gather(x, mesh, axis)), dim)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.mesh, ctx.axis, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        n = axis_sizes(ctx.mesh)[ctx.axis]
+        out = raw_reduce_scatter(_split_leading(grad, n, ctx.dim), ctx.mesh, ctx.axis)
+        return wait(out), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int, op: str) -> torch.Tensor:  # type: ignore[override]
+        n = axis_sizes(mesh)[axis]
+        return wait(raw_reduce_scatter(_split_leading(x, n, dim), mesh, axis, op))  # type: ignore[arg-type]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.mesh, ctx.axis, ctx.dim, ctx.op = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        n = axis_sizes(ctx.mesh)[ctx.axis]
+        out = _move_leading(wait(raw_all_gather(grad, ctx.mesh, ctx.axis)), ctx.dim)
+        return (out / n if ctx.op == "mean" else out), None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str) -> torch.Tensor:  # type: ignore[override]
+        return wait(raw_all_reduce(x, mesh, axes, op))  # type: ignore[arg-type]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.mesh, ctx.axes, ctx.op = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.op == "mean":
+            sizes = axis_sizes(ctx.mesh)
+            for a in ctx.axes:
+                grad = grad / sizes[a]
+        return grad, None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...], op: str) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.mesh, ctx.axes, ctx.op = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return wait(raw_all_reduce(grad, ctx.mesh, ctx.axes, ctx.op)), None, None, None
+
+
+def _axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, over the mesh axis ``axis``.
+
+    The gradient is the reduce-scatter (sum) of the incoming gradient.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     x = ff.shard(torch.arange(4.0), mesh, ff.P("dp")).local
+        ...     ff.rank_values(ff.all_gather(x, mesh, "dp"))[1].tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    _check_dim(x, dim, axis_sizes(mesh)[axis], "all_gather", axis)
+    return _AllGather.apply(x, mesh, axis, dim % x.ndim)
+
+
+def reduce_scatter(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0, op: ReduceOp = "sum"
+) -> torch.Tensor:
+    """Sum (or average) ``x`` over ``axis`` and keep this rank's block of ``dim``.
+
+    The gradient is the all-gather of the incoming gradient.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     x = torch.arange(4.0)  # the same on both ranks
+        ...     [t.tolist() for t in ff.rank_values(ff.reduce_scatter(x, mesh, "dp"))]
+        [[0.0, 2.0], [4.0, 6.0]]
+    """
+    _check_dim(x, dim, axis_sizes(mesh)[axis], "reduce_scatter", axis)
+    return _ReduceScatter.apply(x, mesh, axis, dim % x.ndim, op)
+
+
+def all_reduce(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str | tuple[str, ...], op: ReduceOp = "sum"
+) -> torch.Tensor:
+    """Sum (or average) ``x`` over one or more mesh axes (psum).
+
+    Its transpose is the identity: the gradient passes through unchanged (divided by the
+    group size for ``op="mean"``). This is Megatron's ``reduce_from``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     x = ff.shard(torch.tensor([1.0, 2.0]), mesh, ff.P("dp")).local
+        ...     ff.rank_values(ff.all_reduce(x, mesh, "dp"))[0].tolist()
+        [3.0]
+    """
+    return _AllReduce.apply(x, mesh, _axes(axis), op)
+
+
+def all_reduce_grad(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str | tuple[str, ...], op: ReduceOp = "sum"
+) -> torch.Tensor:
+    """Identity in forward; the gradient is summed (or averaged) over ``axis`` in backward.
+
+    The transpose of :func:`all_reduce`, Megatron's ``copy_to``. Data-parallel training uses
+    it on parameters replicated over a data axis, so their gradients are reduced.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     w = torch.ones(2)
+        ...     g = torch.func.grad(lambda w: ff.all_reduce_grad(w, mesh, "dp").sum())(w)
+        ...     g.tolist()
+        [2.0, 2.0]
+    """
+    return _AllReduceGrad.apply(x, mesh, _axes(axis), op)

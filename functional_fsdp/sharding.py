@@ -1,0 +1,435 @@
+"""``shard``, ``gather`` and ``reshard``: pure functions on pytrees of tensors.
+
+Gathering many tensors is bucketed: one collective per mesh axis (and dtype, or per
+size-capped bucket) over a flat buffer, never one per tensor. ``gather`` is differentiable;
+its gradient is the bucketed reduce-scatter of the incoming gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import optree
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import collectives as C
+from ._tree import keystr
+from .mesh import axis_names, axis_sizes
+from .sharded import Sharded, block_of
+from .simulate import on_rank, per_coordinate
+from .spec import Layout, P, format_mesh, spec_problem
+
+SpecRule = Callable[[str, torch.Tensor], P | None]
+Specs = Union[P, SpecRule, Any]
+
+
+# --------------------------------------------------------------------------- tree plumbing
+
+
+def _flatten(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
+    # Without the namespace a Sharded is a leaf; None is a leaf so specs can line up with it.
+    return optree.tree_flatten_with_path(tree, none_is_leaf=True)
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A key path as a dotted name, e.g. ``blocks.0.attn.weight`` (what spec rules receive)."""
+    return ".".join(str(getattr(k, "name", k)) for k in path)
+
+
+def resolve_specs(tree: Any, specs: Specs) -> list[P | None]:
+    """One spec per leaf of ``tree`` (``None`` for leaves that are not tensors).
+
+    ``specs`` may be a single ``P`` (used for every tensor), a rule
+    ``fn(dotted_path, tensor) -> P | None``, or a tree of ``P`` matching ``tree`` or a prefix
+    of it. ``None`` in a spec tree or from a rule means replicated, ``P()``.
+    """
+    paths, leaves, treedef = _flatten(tree)
+    if isinstance(specs, P):
+        per_leaf: list[Any] = [specs] * len(leaves)
+    elif callable(specs) and not isinstance(specs, (dict, list, tuple)):
+        per_leaf = [
+            specs(dotted(p), x) if isinstance(x, (torch.Tensor, Sharded)) else None
+            for p, x in zip(paths, leaves)
+        ]
+    else:
+        try:
+            broadcast = optree.tree_broadcast_prefix(
+                specs, tree, is_leaf=lambda s: isinstance(s, P) or s is None, none_is_leaf=True
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"the specs tree does not match the tree of tensors: {e}\n"
+                f"  specs structure:  {optree.tree_structure(specs, is_leaf=_is_spec, none_is_leaf=True)}\n"
+                f"  tensor structure: {treedef}\n"
+                f"Give specs with the same keys as the tree (or a prefix of it), or a rule "
+                f"fn(path, tensor) -> P."
+            ) from None
+        per_leaf = optree.tree_leaves(broadcast, is_leaf=_is_spec, none_is_leaf=True)
+    out: list[P | None] = []
+    for path, leaf, spec in zip(paths, leaves, per_leaf):
+        if not isinstance(leaf, (torch.Tensor, Sharded)):
+            out.append(None)
+        elif spec is None:
+            out.append(P())
+        elif isinstance(spec, P):
+            out.append(spec)
+        else:
+            raise TypeError(
+                f"the spec for {keystr(path)} is {spec!r} ({type(spec).__name__}); specs must "
+                f"be P objects, e.g. P('dp', None). Write P(*entries) instead of a tuple."
+            )
+    return out
+
+
+def _is_spec(s: Any) -> bool:
+    return isinstance(s, P) or s is None
+
+
+def _checked_layout(
+    path: tuple[Any, ...], shape: Sequence[int], spec: P, mesh: DeviceMesh
+) -> Layout:
+    sizes = axis_sizes(mesh)
+    problem = spec_problem(shape, spec, sizes)
+    if problem:
+        raise ValueError(
+            f"cannot lay out {keystr(path)} (shape {tuple(shape)}) with {spec} on "
+            f"{format_mesh(sizes)}: {problem}."
+        )
+    return Layout.make(shape, spec, sizes)
+
+
+# --------------------------------------------------------------------------- shard
+
+
+def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
+    """Split every tensor in ``tree`` into ``Sharded`` blocks laid out by ``specs``.
+
+    Each rank must hold the same full values (e.g. created from the same seed); it keeps its
+    own blocks and communicates nothing. Non-tensor leaves pass through unchanged. ``shard``
+    is not differentiable: it places values, ``gather``/``reshard`` move them.
+
+    Args:
+        tree: any pytree (dicts, lists, tuples, namedtuples) of tensors.
+        mesh: a ``DeviceMesh`` with named axes.
+        specs: a ``P`` for every tensor, a tree of ``P`` matching ``tree`` (or a prefix of
+            it), or a rule ``fn(dotted_path, tensor) -> P | None``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     params = {"w": torch.ones(5, 3), "b": torch.zeros(3), "n": 7}
+        ...     sharded = ff.shard(params, mesh, {"w": ff.P("dp"), "b": ff.P(), "n": None})
+        ...     sharded["w"].local.shape, sharded["n"]
+        (torch.Size([3, 3]), 7)
+    """
+    paths, leaves, treedef = _flatten(tree)
+    out = []
+    for path, leaf, spec in zip(paths, leaves, resolve_specs(tree, specs)):
+        if isinstance(leaf, Sharded):
+            raise TypeError(
+                f"{keystr(path)} is already Sharded ({leaf.spec}); use ff.reshard(tree, specs) "
+                f"to change its layout."
+            )
+        if spec is None:
+            out.append(leaf)
+            continue
+        layout = _checked_layout(path, leaf.shape, spec, mesh)
+        with torch.no_grad():
+            local = per_coordinate(
+                mesh, lambda c, t=leaf, lay=layout: block_of(_on_coord(t, mesh, c), lay, c)
+            )
+        out.append(Sharded(local, layout.global_shape, spec, mesh))
+    return optree.tree_unflatten(treedef, out)
+
+
+def _on_coord(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
+    rank = int(mesh.mesh[tuple(coord[a] for a in axis_names(mesh))])
+    return on_rank(t.detach(), rank)
+
+
+# --------------------------------------------------------------------------- bucketed gather
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """How one tensor takes part in a bucketed gather over one axis."""
+
+    local_shape: tuple[int, ...]
+    dim: int  # the tensor dim the axis splits
+    gathered_len: int  # length of ``dim`` after the gather (the next level's padded block)
+
+
+class _BucketAllGather(torch.autograd.Function):
+    """All-gather several local blocks over one axis with a single collective."""
+
+    @staticmethod
+    def forward(
+        mesh: DeviceMesh, axis: str, pieces: tuple[_Piece, ...], *locals_: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        n = axis_sizes(mesh)[axis]
+        flat = _pack([t.reshape(-1) for t in locals_])
+        gathered = C.wait(C.raw_all_gather(flat, mesh, axis))  # [n, total]
+        outs, offset = [], 0
+        for piece in pieces:
+            numel = _numel(piece.local_shape)
+            block = gathered[:, offset : offset + numel].reshape(n, *piece.local_shape)
+            offset += numel
+            full = C._move_leading(block, piece.dim)
+            outs.append(full.narrow(piece.dim, 0, piece.gathered_len))
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.mesh, ctx.axis, ctx.pieces = inputs[:3]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        n = axis_sizes(ctx.mesh)[ctx.axis]
+        rows = []
+        for piece, g in zip(ctx.pieces, grads):
+            pad = n * piece.local_shape[piece.dim] - piece.gathered_len
+            if pad:
+                g = torch.nn.functional.pad(g, [0, 0] * (g.ndim - 1 - piece.dim) + [0, pad])
+            rows.append(C._split_leading(g, n, piece.dim).reshape(n, -1))
+        flat = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        reduced = C.wait(C.raw_reduce_scatter(flat, ctx.mesh, ctx.axis))
+        outs, offset = [], 0
+        for piece in ctx.pieces:
+            numel = _numel(piece.local_shape)
+            outs.append(reduced[offset : offset + numel].view(piece.local_shape))
+            offset += numel
+        return (None, None, None, *outs)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _pack(flats: list[torch.Tensor]) -> torch.Tensor:
+    return flats[0] if len(flats) == 1 else torch.cat(flats)
+
+
+def bucketed_all_gather(
+    values: list[Sharded], axis: str, *, bucket_bytes: int | None = None
+) -> list[Sharded | torch.Tensor]:
+    """Gather ``axis`` out of each value, with one collective per dtype (and size cap).
+
+    ``axis`` must be the minor-most axis of the dim it splits in every value. Values whose
+    spec becomes empty are returned as plain tensors of their global shape.
+    """
+    if not values:
+        return []
+    mesh = values[0].mesh
+    results: list[Sharded | torch.Tensor | None] = [None] * len(values)
+    for bucket in _buckets(values, bucket_bytes):
+        pieces = []
+        for i in bucket:
+            v = values[i]
+            dim = v.spec.dim_of(axis)
+            assert dim is not None and v.spec.entry(dim)[-1] == axis
+            lengths = v.layout.block_sizes(dim)
+            pieces.append(_Piece(tuple(v.local.shape), dim, lengths[-2]))
+        outs = _BucketAllGather.apply(mesh, axis, tuple(pieces), *(values[i].local for i in bucket))
+        for i, out in zip(bucket, outs):
+            v = values[i]
+            spec = v.spec.without(axis)
+            results[i] = (
+                out if not spec.axes else Sharded._unchecked(out, v.global_shape, spec, mesh)
+            )
+    return results  # type: ignore[return-value]
+
+
+def _buckets(values: list[Sharded], bucket_bytes: int | None) -> list[list[int]]:
+    by_dtype: dict[torch.dtype, list[list[int]]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for i, v in enumerate(values):
+        nbytes = v.local.numel() * v.local.element_size()
+        groups = by_dtype.setdefault(v.dtype, [[]])
+        if bucket_bytes is not None and groups[-1] and sizes[v.dtype] + nbytes > bucket_bytes:
+            groups.append([])
+            sizes[v.dtype] = 0
+        groups[-1].append(i)
+        sizes[v.dtype] = sizes.get(v.dtype, 0) + nbytes
+    return [b for groups in by_dtype.values() for b in groups]
+
+
+def _gather_values(
+    values: list[Sharded], wanted: list[set[str]], bucket_bytes: int | None
+) -> list[Sharded | torch.Tensor]:
+    """Gather ``wanted[i]`` axes out of ``values[i]``, minor axes first, bucketed per axis."""
+    current: list[Sharded | torch.Tensor] = list(values)
+    remaining = [set(w) for w in wanted]
+    while True:
+        ready: dict[str, list[int]] = {}
+        for i, v in enumerate(current):
+            if isinstance(v, Sharded):
+                for dim in range(v.ndim):
+                    entry = v.spec.entry(dim)
+                    if entry and entry[-1] in remaining[i]:
+                        ready.setdefault(entry[-1], []).append(i)
+        if not ready:
+            break
+        names = axis_names(values[0].mesh)
+        axis = max(ready, key=lambda a: (len(ready[a]), -names.index(a)))
+        idx = ready[axis]
+        outs = bucketed_all_gather([current[i] for i in idx], axis, bucket_bytes=bucket_bytes)  # type: ignore[misc]
+        for i, out in zip(idx, outs):
+            current[i] = out
+            remaining[i].discard(axis)
+    return current
+
+
+def _check_one_mesh(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
+    first = values[0]
+    for path, v in zip(paths[1:], values[1:]):
+        if v.mesh is not first.mesh and v.mesh != first.mesh:
+            raise ValueError(
+                f"{what}() got values on different meshes: {keystr(paths[0])} is on "
+                f"{format_mesh(axis_sizes(first.mesh))} {first.mesh.mesh.tolist()} but "
+                f"{keystr(path)} is on {format_mesh(axis_sizes(v.mesh))} "
+                f"{v.mesh.mesh.tolist()}. Call {what}() once per mesh, or reshard the values "
+                f"onto one mesh first."
+            )
+
+
+def gather(
+    tree: Any, axes: str | Sequence[str] | None = None, *, bucket_bytes: int | None = None
+) -> Any:
+    """Gather ``Sharded`` values over mesh axes (all of them by default).
+
+    A value gathered over every axis of its spec becomes a plain tensor of its global shape
+    (padding removed); otherwise it stays ``Sharded`` with those axes removed from its spec.
+    Values whose specs do not use the requested axes are returned unchanged. The gather is
+    bucketed (one collective per axis and dtype, or per ``bucket_bytes``), and differentiable:
+    the gradient of each gathered value is reduce-scattered back onto its shards.
+
+    Args:
+        tree: a pytree containing ``Sharded`` values (other leaves pass through).
+        axes: the mesh axes to gather, or ``None`` for all.
+        bucket_bytes: cap on one bucket's local bytes; ``None`` means one bucket per dtype.
+
+    Raises:
+        ValueError: if the values live on different meshes, or an axis to gather is major to
+            an axis that stays (gather the minor axis too, or reshard).
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
+        ...     w = ff.shard(torch.arange(12.0).reshape(6, 2), mesh, ff.P(("tp", "dp")))
+        ...     ff.gather(w, "dp")
+        Sharded(shape=(6, 2), dtype=torch.float32, spec=P('tp'), mesh=Mesh(dp=2, tp=2), local=(3, 2))
+    """
+    paths, leaves, treedef = _flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
+    if not idx:
+        return tree
+    values: list[Sharded] = [leaves[i] for i in idx]
+    _check_one_mesh([paths[i] for i in idx], values, "gather")
+    wanted_axes = None if axes is None else ({axes} if isinstance(axes, str) else set(axes))
+    if wanted_axes is not None:
+        unknown = wanted_axes - set(axis_names(values[0].mesh))
+        if unknown:
+            raise ValueError(
+                f"gather(axes={sorted(wanted_axes)}): the mesh "
+                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {sorted(unknown)[0]!r}."
+            )
+    wanted = [
+        set(v.spec.axes) if wanted_axes is None else wanted_axes & set(v.spec.axes) for v in values
+    ]
+    for i, v, w in zip(idx, values, wanted):
+        for dim in range(v.ndim):
+            entry = v.spec.entry(dim)
+            stays = [a for a in entry if a not in w]
+            if stays and any(entry.index(a) < entry.index(stays[-1]) for a in w if a in entry):
+                raise ValueError(
+                    f"cannot gather {sorted(w & set(entry))} out of {keystr(paths[i])} "
+                    f"(shape {v.global_shape}, {v.spec}, {format_mesh(axis_sizes(v.mesh))}): "
+                    f"dim {dim} is split major-to-minor over {entry}, and gathering a major "
+                    f"axis while keeping a minor one does not give a contiguous block. Gather "
+                    f"{stays[-1]!r} as well, or reshard to the target spec."
+                )
+    gathered = _gather_values(values, wanted, bucket_bytes)
+    for i, out in zip(idx, gathered):
+        leaves[i] = out.local if isinstance(out, Sharded) and not out.spec.axes else out
+    return optree.tree_unflatten(treedef, leaves)
+
+
+# --------------------------------------------------------------------------- reshard
+
+
+def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
+    """Change the layout of every ``Sharded`` value in ``tree`` to ``specs``.
+
+    Axes that the new spec drops or moves are gathered (bucketed); axes it adds are sliced
+    locally, without communication. Plain tensors in ``tree`` are left alone (use
+    :func:`shard` for them). Differentiable, like :func:`gather`.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     w = ff.shard(torch.arange(6.0).reshape(2, 3), mesh, ff.P("dp"))
+        ...     ff.reshard(w, ff.P(None, "dp")).local.shape
+        torch.Size([2, 2])
+    """
+    paths, leaves, treedef = _flatten(tree)
+    per_leaf = resolve_specs(tree, specs)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
+    if not idx:
+        return tree
+    values: list[Sharded] = [leaves[i] for i in idx]
+    _check_one_mesh([paths[i] for i in idx], values, "reshard")
+    targets = []
+    wanted = []
+    for i, v in zip(idx, values):
+        target = per_leaf[i] or P()
+        _checked_layout(paths[i], v.global_shape, target, v.mesh)
+        target = target.padded(v.ndim)
+        targets.append(target)
+        drop: set[str] = set()
+        for dim in range(v.ndim):
+            src, dst = v.spec.entry(dim), target.entry(dim)
+            keep = 0
+            while keep < min(len(src), len(dst)) and src[keep] == dst[keep]:
+                keep += 1
+            drop.update(src[keep:])
+        wanted.append(drop)
+    gathered = _gather_values(values, wanted, bucket_bytes)
+    for i, v, target, out in zip(idx, values, targets, gathered):
+        leaves[i] = _slice_to(out, v, target)
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def _slice_to(value: Sharded | torch.Tensor, original: Sharded, target: P) -> Sharded:
+    """Split ``value`` further, locally, until its spec is ``target``.
+
+    The per-rank cut is an ``index_select`` with per-rank indices (padding positions point at
+    an appended zero slice), so the ops are the same on every rank and stay differentiable on
+    simulated meshes too.
+    """
+    mesh = original.mesh
+    spec, local = (value.spec, value.local) if isinstance(value, Sharded) else (P(), value)
+    if spec.padded(original.ndim) == target:
+        return Sharded._unchecked(local, original.global_shape, target, mesh)
+    extra = P(*(target.entry(d)[len(spec.entry(d)) :] for d in range(original.ndim)))
+    sub = Layout.make(tuple(local.shape), extra, axis_sizes(mesh))
+    for dim in range(original.ndim):
+        if not extra.entry(dim):
+            continue
+        length = local.shape[dim]
+        index = per_coordinate(mesh, lambda c, d=dim, n=length: _block_index(sub, c, d, n))
+        zero = torch.zeros_like(local.narrow(dim, 0, 1))
+        local = torch.index_select(torch.cat([local, zero], dim), dim, index)
+    return Sharded(local, original.global_shape, target, mesh)
+
+
+def _block_index(sub: Layout, coord: dict[str, int], dim: int, length: int) -> torch.Tensor:
+    """Indices into a block of ``length`` (plus one zero slot) that cut out ``coord``'s piece."""
+    slices, pads = sub.owned(coord)
+    real = torch.arange(slices[dim].start, slices[dim].stop)
+    return torch.cat([real, torch.full((pads[dim],), length, dtype=torch.long)])

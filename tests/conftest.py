@@ -1,0 +1,44 @@
+"""Shared fixtures: reusable gloo worker pools and simulated meshes.
+
+Real multi-process pools are started once per session and per world size (starting
+processes and a process group costs seconds on a 2-core machine), and replaced if a test
+breaks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from functional_fsdp.launch import ProcessPool
+
+_POOLS: dict[int, ProcessPool] = {}
+
+
+class Pools:
+    """``pools.run(world_size, fn, *args)`` runs ``fn`` on a reused pool of that size."""
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        pool = _POOLS.get(world_size)
+        if pool is None or pool.broken:
+            # Only one pool at a time: 2 cores cannot afford idle gloo workers of other sizes.
+            for size in list(_POOLS):
+                _POOLS.pop(size).close()
+            pool = _POOLS[world_size] = ProcessPool(world_size, timeout=240)
+        return pool.run(fn, *args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[Pools]:
+    yield Pools()
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
