@@ -14,6 +14,11 @@ from .collectives import all_reduce as all_reduce
 from .collectives import all_reduce_grad as all_reduce_grad
 from .collectives import count_comms as count_comms
 from .collectives import reduce_scatter as reduce_scatter
+from .forward import FSDP as FSDP
+from .forward import MixedPrecision as MixedPrecision
+from .forward import Policy as Policy
+from .forward import find_units as find_units
+from .forward import fsdp as fsdp
 from .launch import ProcessPool as ProcessPool
 from .launch import WorkerError as WorkerError
 from .launch import launch as launch
@@ -35,11 +40,14 @@ from .spec import P as P
 __version__ = "0.1.0"
 
 __all__ = [
+    "FSDP",
     "Axis",
     "CommCounter",
     "CommRecord",
     "Layout",
+    "MixedPrecision",
     "P",
+    "Policy",
     "ProcessPool",
     "Sharded",
     "WorkerError",
@@ -49,6 +57,8 @@ __all__ = [
     "axis_size",
     "axis_sizes",
     "count_comms",
+    "find_units",
+    "fsdp",
     "gather",
     "init_distributed",
     "is_simulated",

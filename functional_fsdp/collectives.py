@@ -27,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from .mesh import axis_sizes
+from .spec import format_mesh
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -143,6 +144,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    # A simulated LocalTensor's .contiguous() is an autograd.Function that torch.func
+    # transforms refuse, even when there is nothing to do: skip it when already contiguous.
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _group_name(mesh: DeviceMesh, axis: str) -> str:
+    return _group(mesh, axis).group_name
+
+
+def _issued(out: torch.Tensor) -> torch.Tensor:
+    """Wrap a c10d functional op's result so that it waits on first use (or in :func:`wait`).
+
+    Under ``torch.func`` transforms the result is a functorch wrapper, and an
+    ``AsyncCollectiveTensor`` inside it would never be unwrapped: it would leak into the
+    gradients that ``torch.func.grad`` returns (hiding a simulated value's per-rank tensors).
+    There the collective is waited on at once.
+    """
+    if torch._C._functorch.is_functorch_wrapped_tensor(out):
+        return torch.ops._c10d_functional.wait_tensor(out)
+    return funcol._maybe_wrap_tensor(out)
+
+
 def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
     """All-gather ``x`` over ``axis`` along a new leading dim: ``[size(axis), *x.shape]``.
 
@@ -151,10 +175,14 @@ def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
     n = axis_sizes(mesh)[axis]
     if n == 1:
         return x.unsqueeze(0)
-    x = x.contiguous()
+    x = _contiguous(x)
     _record("all_gather", axis, n, _nbytes(x) * n, x.dtype)
     with torch.no_grad():
-        out = funcol.all_gather_single(x.reshape(-1), 0, _group(mesh, axis))
+        out = _issued(
+            torch.ops._c10d_functional.all_gather_into_tensor(
+                x.reshape(-1), n, _group_name(mesh, axis)
+            )
+        )
     return out.view(n, *x.shape)
 
 
@@ -171,10 +199,14 @@ def raw_reduce_scatter(
     if n == 1:
         out = x[0]
     else:
-        x = x.contiguous()
+        x = _contiguous(x)
         _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
         with torch.no_grad():
-            out = funcol.reduce_scatter_single(x.reshape(-1), "sum", 0, _group(mesh, axis))
+            out = _issued(
+                torch.ops._c10d_functional.reduce_scatter_tensor(
+                    x.reshape(-1), "sum", n, _group_name(mesh, axis)
+                )
+            )
         out = out.view(x.shape[1:])
     return out / n if op == "mean" else out
 
@@ -193,13 +225,19 @@ def raw_all_reduce(
             continue
         _record("all_reduce", a, n, _nbytes(x), x.dtype)
         with torch.no_grad():
-            x = funcol.all_reduce(x.contiguous(), "sum", _group(mesh, a))
+            x = _issued(
+                torch.ops._c10d_functional.all_reduce(_contiguous(x), "sum", _group_name(mesh, a))
+            )
     return x / total if op == "mean" else x
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:
-    """Block until an async collective result is ready (a no-op for plain tensors)."""
-    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+    """Block until an async collective result is ready, and unwrap it (plain tensors pass).
+
+    The result is never an ``AsyncCollectiveTensor``: such wrappers must not leak into
+    user-visible values (simulated per-rank values would be hidden behind them).
+    """
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
 # --------------------------------------------------------------------------- differentiable
@@ -217,6 +255,16 @@ def _split_leading(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """Inverse of :func:`_move_leading`: ``[.., n*dk, ..] -> [n, .., dk, ..]``."""
     x = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
     return x.movedim(dim, 0)
+
+
+def _check_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> None:
+    sizes = axis_sizes(mesh)
+    for axis in axes:
+        if axis not in sizes:
+            raise ValueError(
+                f"{name} over {axis!r}: the mesh {format_mesh(sizes)} has no axis {axis!r}; "
+                f"name one of its axes {tuple(sizes)}."
+            )
 
 
 def _check_dim(x: torch.Tensor, dim: int, n: int, name: str, axis: str) -> None:
@@ -310,6 +358,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int = 0) -> to
         ...     ff.rank_values(ff.all_gather(x, mesh, "dp"))[1].tolist()
         [0.0, 1.0, 2.0, 3.0]
     """
+    _check_axes(mesh, (axis,), "all_gather")
     _check_dim(x, dim, axis_sizes(mesh)[axis], "all_gather", axis)
     return _AllGather.apply(x, mesh, axis, dim % x.ndim)
 
@@ -328,6 +377,7 @@ def reduce_scatter(
         ...     [t.tolist() for t in ff.rank_values(ff.reduce_scatter(x, mesh, "dp"))]
         [[0.0, 2.0], [4.0, 6.0]]
     """
+    _check_axes(mesh, (axis,), "reduce_scatter")
     _check_dim(x, dim, axis_sizes(mesh)[axis], "reduce_scatter", axis)
     return _ReduceScatter.apply(x, mesh, axis, dim % x.ndim, op)
 
@@ -347,6 +397,7 @@ def all_reduce(
         ...     ff.rank_values(ff.all_reduce(x, mesh, "dp"))[0].tolist()
         [3.0]
     """
+    _check_axes(mesh, _axes(axis), "all_reduce")
     return _AllReduce.apply(x, mesh, _axes(axis), op)
 
 
@@ -366,4 +417,5 @@ def all_reduce_grad(
         ...     g.tolist()
         [2.0, 2.0]
     """
+    _check_axes(mesh, _axes(axis), "all_reduce_grad")
     return _AllReduceGrad.apply(x, mesh, _axes(axis), op)

@@ -1,0 +1,133 @@
+"""Small reference models for examples, tests and benchmarks.
+
+``GPT`` is a decoder-only transformer: token and position embeddings, ``n_layer`` blocks of
+causal self-attention and an MLP, a final norm, and an LM head tied to the token embedding.
+Attention reads the local head count from the projection's output shape, so the same code
+runs with tensor-parallel (head-split) weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """GPT hyperparameters.
+
+    Attributes:
+        vocab_size: number of tokens.
+        block_size: maximum sequence length.
+        n_layer: transformer blocks.
+        n_head: attention heads.
+        n_embd: model width (divisible by ``n_head``).
+        mlp_ratio: MLP hidden width over ``n_embd``.
+    """
+
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    mlp_ratio: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.wo = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: the local head count under tensor parallelism.
+        q, k, v = (
+            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT with the LM head tied to the token embedding.
+
+    Example:
+        >>> model = GPT(GPTConfig(n_layer=1))
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 256])
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class MLPModel(nn.Module):
+    """A plain MLP (a stack of ``Linear`` + ``tanh``) with deliberately uneven sizes."""
+
+    def __init__(self, sizes: tuple[int, ...] = (7, 13, 5, 3)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
