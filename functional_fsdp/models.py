@@ -8,6 +8,7 @@ runs with tensor-parallel (head-split) weights.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,7 @@ class MLPModel(nn.Module):
 
     def __init__(self, sizes: tuple[int, ...] = (7, 13, 5, 3)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
