@@ -7,6 +7,8 @@ layouts with explicit, differentiable collectives.
 
 from ._tree import tree_leaves as tree_leaves
 from ._tree import tree_map as tree_map
+from .clipping import clip_by_global_norm as clip_by_global_norm
+from .clipping import global_norm as global_norm
 from .collectives import CommCounter as CommCounter
 from .collectives import CommRecord as CommRecord
 from .collectives import all_gather as all_gather
@@ -27,6 +29,33 @@ from .mesh import axis_size as axis_size
 from .mesh import axis_sizes as axis_sizes
 from .mesh import init_distributed as init_distributed
 from .mesh import make_mesh as make_mesh
+from .optim import EmptyState as EmptyState
+from .optim import GradientTransformation as GradientTransformation
+from .optim import MaskedState as MaskedState
+from .optim import ScaleByAdamState as ScaleByAdamState
+from .optim import ScaleByScheduleState as ScaleByScheduleState
+from .optim import TraceState as TraceState
+from .optim import TransformInitFn as TransformInitFn
+from .optim import TransformUpdateFn as TransformUpdateFn
+from .optim import adam as adam
+from .optim import adamw as adamw
+from .optim import add_decayed_weights as add_decayed_weights
+from .optim import apply_updates as apply_updates
+from .optim import chain as chain
+from .optim import identity as identity
+from .optim import masked as masked
+from .optim import scale as scale
+from .optim import scale_by_adam as scale_by_adam
+from .optim import scale_by_learning_rate as scale_by_learning_rate
+from .optim import scale_by_schedule as scale_by_schedule
+from .optim import sgd as sgd
+from .optim import trace as trace
+from .schedules import Schedule as Schedule
+from .schedules import constant_schedule as constant_schedule
+from .schedules import cosine_decay_schedule as cosine_decay_schedule
+from .schedules import join_schedules as join_schedules
+from .schedules import linear_schedule as linear_schedule
+from .schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from .sharded import Sharded as Sharded
 from .sharding import gather as gather
 from .sharding import reshard as reshard
@@ -44,31 +73,60 @@ __all__ = [
     "Axis",
     "CommCounter",
     "CommRecord",
+    "EmptyState",
+    "GradientTransformation",
     "Layout",
+    "MaskedState",
     "MixedPrecision",
     "P",
     "Policy",
     "ProcessPool",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "Schedule",
     "Sharded",
+    "TraceState",
+    "TransformInitFn",
+    "TransformUpdateFn",
     "WorkerError",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
+    "apply_updates",
     "axis_size",
     "axis_sizes",
+    "chain",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
     "count_comms",
     "find_units",
     "fsdp",
     "gather",
+    "global_norm",
+    "identity",
     "init_distributed",
     "is_simulated",
+    "join_schedules",
     "launch",
+    "linear_schedule",
     "make_mesh",
+    "masked",
     "rank_values",
     "reduce_scatter",
     "reshard",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "sgd",
     "shard",
     "simulated_mesh",
+    "trace",
     "tree_leaves",
     "tree_map",
+    "warmup_cosine_decay_schedule",
 ]

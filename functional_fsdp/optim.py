@@ -1,0 +1,567 @@
+"""Optimizers in the optax style: pure gradient transformations over pytrees.
+
+A :class:`GradientTransformation` is a pair of pure functions, ``init(params) -> state`` and
+``update(updates, state, params=None) -> (updates, state)``. They map over the local tensors
+of the tree (``Sharded`` values are seen through), so an optimizer needs no sharding logic:
+it updates each rank's shards with multi-tensor ``torch._foreach_*`` kernels. Inputs are never
+written; every kernel here is out of place.
+
+Step counts are Python ints in the state. Schedules, bias corrections and momentum factors
+are computed on the host in double precision, like ``torch.optim``'s default (non-capturable)
+path, so no step forces a device sync. The price: a count is not a tensor leaf, so code that
+maps over optimizer states must let ints through.
+
+The one mesh-aware piece, global-norm clipping, lives in :mod:`functional_fsdp.clipping`.
+
+Example:
+    >>> import torch
+    >>> params = {"w": torch.ones(2), "b": torch.zeros(2)}
+    >>> opt = chain(scale(0.5), adamw(1e-2, weight_decay=0.1))
+    >>> state = opt.init(params)
+    >>> grads = {"w": torch.ones(2), "b": torch.ones(2)}
+    >>> updates, state = opt.update(grads, state, params)
+    >>> apply_updates(params, updates)["w"]
+    tensor([0.9890, 0.9890])
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple, Protocol
+
+import optree
+import torch
+
+from ._optim_tree import (
+    SAME_PARAMS_HINT,
+    check_real,
+    check_tensor_tree,
+    check_unit_interval,
+    leaves_like,
+    local_leaves,
+    map_foreach,
+    mismatch_error,
+    zeros_like_tree,
+)
+from .schedules import Schedule
+from .sharding import dotted
+
+Params = Any  # a pytree of tensors and Sharded values
+Updates = Any  # a pytree like Params: gradients, or updates to add to Params
+OptState = Any  # a pytree of NamedTuple states
+Mask = Any  # a pytree of bools matching Params (or a prefix), or a predicate fn(path, leaf)
+
+
+class TransformInitFn(Protocol):
+    """``init(params) -> state``."""
+
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class TransformUpdateFn(Protocol):
+    """``update(updates, state, params=None) -> (new_updates, new_state)``."""
+
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions: ``init(params) -> state`` and ``update(updates, state,
+    params=None) -> (updates, state)``. Neither mutates its inputs."""
+
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: int  # updates applied so far; a Python int, so schedules run on the host
+
+
+class TraceState(NamedTuple):
+    trace: Any  # like params (same shapes, dtypes, specs): the momentum buffer
+
+
+class ScaleByAdamState(NamedTuple):
+    count: int  # updates applied so far; a Python int (bias corrections run on the host)
+    mu: Any  # like params (same shapes, dtypes, specs): first moment, torch's exp_avg
+    nu: Any  # like params: second moment, torch's exp_avg_sq
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any  # the inner transformation's state over the masked leaves only
+
+
+# --------------------------------------------------------------------------- combinators
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transformations in order; the state is the tuple of their states.
+
+    Example:
+        >>> import torch
+        >>> opt = chain(scale(2.0), scale_by_learning_rate(0.1))
+        >>> updates, _ = opt.update({"w": torch.ones(2)}, opt.init({"w": torch.zeros(2)}))
+        >>> updates
+        {'w': tensor([-0.2000, -0.2000])}
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is {t!r} ({type(t).__name__}), not a "
+                f"GradientTransformation. Pass transformations such as scale_by_adam() or "
+                f"sgd(0.1); call factory functions (adam(1e-3), not adam)."
+            )
+
+    def init(params: Params) -> OptState:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            got = f"{len(state)} entries" if isinstance(state, tuple) else type(state).__name__
+            raise ValueError(
+                f"chain of {len(transforms)} transformations got a state with {got}. Pass the "
+                f"state that this chain's init() returned."
+            )
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def identity() -> GradientTransformation:
+    """Leave updates unchanged.
+
+    Example:
+        >>> import torch
+        >>> identity().update({"w": torch.ones(1)}, EmptyState())[0]
+        {'w': tensor([1.])}
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply updates by a constant ``factor``.
+
+    Example:
+        >>> import torch
+        >>> scale(0.5).update({"w": torch.ones(2)}, EmptyState())[0]
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    factor = check_real("scale", "factor", factor)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        return map_foreach(torch._foreach_mul, updates, factor), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def _check_schedule(where: str, name: str, fn: object) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"{where}: {name} must be a schedule, a function fn(step: int) -> float, got "
+            f"{fn!r} ({type(fn).__name__}). Build one with e.g. "
+            f"cosine_decay_schedule(1e-3, decay_steps=1000)."
+        )
+
+
+def _scheduled(where: str, fn: Schedule, count: int, *, low: float | None = None) -> float:
+    value = fn(count)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where}: the schedule returned {value!r} ({type(value).__name__}) at step "
+            f"{count}; schedules must return a Python float (a tensor would force a device "
+            f"sync every step)."
+        )
+    if not math.isfinite(value) or (low is not None and value < low):
+        raise ValueError(f"{where}: the schedule returned {value} at step {count}; {_bound(low)}")
+    return float(value)
+
+
+def _bound(low: float | None) -> str:
+    return "it must be finite." if low is None else f"it must be finite and >= {low}."
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply updates by ``step_size_fn(count)``, where ``count`` is the updates so far.
+
+    Example:
+        >>> import torch
+        >>> t = scale_by_schedule(lambda step: 1.0 / (step + 1))
+        >>> u, s = t.update({"w": torch.ones(1)}, t.init(None))
+        >>> u, s = t.update(u, s)
+        >>> u, s.count
+        ({'w': tensor([0.5000])}, 2)
+    """
+    _check_schedule("scale_by_schedule", "step_size_fn", step_size_fn)
+    return _scale_by_schedule("scale_by_schedule", step_size_fn, sign=1.0, low=None)
+
+
+def _scale_by_schedule(
+    where: str, fn: Schedule, *, sign: float, low: float | None
+) -> GradientTransformation:
+    def init(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=0)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        factor = sign * _scheduled(where, fn, state.count, low=low)
+        return map_foreach(torch._foreach_mul, updates, factor), ScaleByScheduleState(
+            state.count + 1
+        )
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: float | Schedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Multiply updates by ``-learning_rate`` (a float or a schedule of the step count).
+
+    Args:
+        learning_rate: a non-negative float, or a schedule ``fn(step) -> float``.
+        flip_sign: negate, so that :func:`apply_updates` descends (the default).
+
+    Raises:
+        TypeError: if ``learning_rate`` is neither a number nor callable.
+        ValueError: if it is negative or not finite (the sign is flipped for you).
+
+    Example:
+        >>> import torch
+        >>> t = scale_by_learning_rate(lambda step: 0.1 / (step + 1))
+        >>> u, state = t.update({"w": torch.ones(1)}, t.init(None))
+        >>> t.update({"w": torch.ones(1)}, state)[0]
+        {'w': tensor([-0.0500])}
+    """
+    where = "scale_by_learning_rate"
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return _scale_by_schedule(where, learning_rate, sign=sign, low=0.0)
+    if isinstance(learning_rate, torch.Tensor) or not isinstance(learning_rate, numbers.Real):
+        raise TypeError(
+            f"{where}: learning_rate must be a float or a schedule fn(step) -> float, got "
+            f"{learning_rate!r} ({type(learning_rate).__name__}). For a tensor pass "
+            f"float(lr); for a changing rate pass a schedule such as "
+            f"warmup_cosine_decay_schedule(...)."
+        )
+    lr = float(learning_rate)
+    if not math.isfinite(lr) or lr < 0:
+        raise ValueError(
+            f"{where}: learning_rate must be finite and >= 0, got {lr}. Pass the step size "
+            f"as a positive number: the update is negated for you (flip_sign=True)."
+        )
+    return scale(sign * lr)
+
+
+# --------------------------------------------------------------------------- transformations
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: ``buf = decay * buf + g``; emits ``buf`` (or ``g + decay * buf`` if nesterov).
+
+    ``torch.optim.SGD`` momentum with dampening 0: the first buffer is the gradient itself.
+
+    Example:
+        >>> import torch
+        >>> t = trace(0.9)
+        >>> g = {"w": torch.ones(1)}
+        >>> u, s = t.update(g, t.init(g))
+        >>> t.update(g, s)[0]
+        {'w': tensor([1.9000])}
+    """
+    decay = check_real("trace", "decay", decay, low=0.0)
+
+    def init(params: Params) -> TraceState:
+        check_tensor_tree(params, "trace.init")
+        return TraceState(trace=zeros_like_tree(params))
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        buf = leaves_like("trace", "state.trace", state.trace, updates)
+        g, treedef = local_leaves(updates)
+        if not g:
+            return updates, state
+        new_buf = torch._foreach_add(g, buf, alpha=decay)
+        out = torch._foreach_add(g, new_buf, alpha=decay) if nesterov else new_buf
+        new_trace = optree.tree_unflatten(treedef, new_buf)
+        return optree.tree_unflatten(treedef, out), TraceState(trace=new_trace)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's rescaling: ``m_hat / (sqrt(v_hat) + eps)``, with bias-corrected moments.
+
+    Example:
+        >>> import torch
+        >>> t = scale_by_adam()
+        >>> g = {"w": torch.tensor([2.0, -3.0])}
+        >>> t.update(g, t.init(g))[0]["w"]  # the first step is sign(g), up to eps
+        tensor([ 1.0000, -1.0000])
+    """
+    b1, b2 = (
+        check_unit_interval("scale_by_adam", "b1", b1),
+        check_unit_interval("scale_by_adam", "b2", b2),
+    )
+    eps = check_real("scale_by_adam", "eps", eps, low=0.0)
+
+    def init(params: Params) -> ScaleByAdamState:
+        check_tensor_tree(params, "scale_by_adam.init")
+        return ScaleByAdamState(count=0, mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        mu = leaves_like("scale_by_adam", "state.mu", state.mu, updates)
+        nu = leaves_like("scale_by_adam", "state.nu", state.nu, updates)
+        g, treedef = local_leaves(updates)
+        count = state.count + 1
+        if not g:
+            return updates, state._replace(count=count)
+        new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+        new_nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1.0 - b2)
+        bc1, bc2 = 1.0 - b1**count, 1.0 - b2**count
+        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(new_nu), bc2**0.5), eps)
+        out = torch._foreach_div(torch._foreach_div(new_mu, denom), bc1)
+        new_state = ScaleByAdamState(
+            count, optree.tree_unflatten(treedef, new_mu), optree.tree_unflatten(treedef, new_nu)
+        )
+        return optree.tree_unflatten(treedef, out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates (only where ``mask`` is true, if given).
+
+    Before :func:`scale_by_adam` this is Adam's L2 penalty; after it (and before the learning
+    rate) it is AdamW's decoupled decay. ``update`` needs ``params``.
+
+    Example:
+        >>> import torch
+        >>> params = {"w": torch.ones(2), "bias": torch.ones(2)}
+        >>> t = add_decayed_weights(0.1, mask=lambda path, p: not path.endswith("bias"))
+        >>> t.update({"w": torch.zeros(2), "bias": torch.zeros(2)}, t.init(params), params)[0]
+        {'w': tensor([0.1000, 0.1000]), 'bias': tensor([0., 0.])}
+    """
+    weight_decay = check_real("add_decayed_weights", "weight_decay", weight_decay, low=0.0)
+    if mask is not None:
+        return masked(add_decayed_weights(weight_decay), mask)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights needs the params: call "
+                "opt.update(grads, state, params) instead of opt.update(grads, state)."
+            )
+        p = leaves_like("add_decayed_weights", "params", params, updates, SAME_PARAMS_HINT)
+        if weight_decay == 0.0 or not p:
+            return updates, state
+        return map_foreach(torch._foreach_add, updates, p, alpha=weight_decay), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _mask_flags(where: str, mask: Mask, tree: Any) -> tuple[list[bool], list[Any], Any]:
+    """One bool per leaf of ``tree`` (``Sharded`` values are leaves), its leaves and treedef."""
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    if callable(mask) and not isinstance(mask, (dict, list, tuple)):
+        flags = [mask(dotted(p), x) for p, x in zip(paths, leaves)]
+    else:
+        try:
+            flags = optree.broadcast_prefix(mask, tree)
+        except ValueError:
+            raise ValueError(
+                f"{where}: the mask does not match the params tree.\n"
+                f"  mask structure:   {optree.tree_structure(mask)}\n"
+                f"  params structure: {treedef}\n"
+                f"Give a tree of bools with the params' keys (or a prefix of them), or a "
+                f"predicate, e.g. mask=lambda path, p: p.ndim >= 2."
+            ) from None
+    for path, flag in zip(paths, flags):
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"{where}: the mask gives {flag!r} ({type(flag).__name__}) for "
+                f"{dotted(path) or '<root>'}; a mask is a tree of bools or a predicate "
+                f"fn(path, leaf) -> bool."
+            )
+    return flags, leaves, treedef
+
+
+def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` is true; other updates pass through unchanged.
+
+    Args:
+        inner: the transformation to apply to the masked leaves. Its state covers only them.
+        mask: a tree of bools matching the params (or a prefix of it), or a predicate
+            ``fn(dotted_path, leaf) -> bool`` called with paths like ``blocks.0.attn.weight``
+            and the leaf (a tensor or ``Sharded``, whose ``ndim`` is the global one).
+
+    Example:
+        >>> import torch
+        >>> params = {"w": torch.ones(2, 2), "norm": torch.ones(2)}
+        >>> t = masked(scale(0.0), lambda path, p: p.ndim >= 2)
+        >>> u, _ = t.update({"w": torch.ones(2, 2), "norm": torch.ones(2)}, t.init(params))
+        >>> u["w"].sum().item(), u["norm"].tolist()
+        (0.0, [1.0, 1.0])
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"masked: inner must be a GradientTransformation, got {inner!r}.")
+
+    def select(flags: list[bool], leaves: list[Any], treedef: Any) -> Any:
+        return optree.tree_unflatten(treedef, [x if f else None for x, f in zip(leaves, flags)])
+
+    def init(params: Params) -> MaskedState:
+        flags, leaves, treedef = _mask_flags("masked", mask, params)
+        return MaskedState(inner.init(select(flags, leaves, treedef)))
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None
+    ) -> tuple[Updates, OptState]:
+        # The mask is resolved on the params when given (as in init), else on the updates.
+        flags, leaves, treedef = _mask_flags("masked", mask, updates if params is None else params)
+        u_leaves = leaves
+        if params is not None:
+            try:
+                u_leaves = treedef.flatten_up_to(updates)
+            except ValueError:
+                raise mismatch_error(
+                    "masked", "params", params, updates, SAME_PARAMS_HINT
+                ) from None
+        sub_params = None if params is None else select(flags, leaves, treedef)
+        sub_updates = select(flags, u_leaves, treedef)
+        new_sub, inner_state = inner.update(sub_updates, state.inner_state, sub_params)
+        new_leaves = treedef.flatten_up_to(new_sub)
+        out = [n if f else u for u, n, f in zip(u_leaves, new_leaves, flags)]
+        return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates``, leaf by leaf, keeping each param's dtype. Out of place.
+
+    Example:
+        >>> import torch
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+        {'w': tensor([0.5000, 0.5000])}
+    """
+    check_tensor_tree(params, "apply_updates")
+    p = leaves_like("apply_updates", "params", params, updates, SAME_PARAMS_HINT)
+    u = local_leaves(updates)[0]
+    if not p:
+        return params
+    u = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(u, p)]
+    # Rebuild with the params' structure, so Sharded values keep their layout.
+    return optree.tree_unflatten(local_leaves(params)[1], torch._foreach_add(p, u))
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def sgd(
+    learning_rate: float | Schedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient,
+    momentum with dampening 0, optional Nesterov).
+
+    Example:
+        >>> import torch
+        >>> opt = sgd(0.1, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> apply_updates(params, updates)
+        {'w': tensor([0.9000, 0.9000])}
+    """
+    momentum = check_real("sgd", "momentum", momentum, low=0.0)
+    if nesterov and momentum == 0.0:
+        raise ValueError("sgd: nesterov=True needs a momentum > 0, e.g. sgd(lr, momentum=0.9).")
+    parts = []
+    if weight_decay:
+        parts.append(add_decayed_weights(weight_decay))
+    if momentum:
+        parts.append(trace(momentum, nesterov))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+def adam(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam with ``torch.optim.Adam`` semantics: ``weight_decay`` is an L2 penalty added to
+    the gradient before the moments (use :func:`adamw` for decoupled decay).
+
+    Example:
+        >>> import torch
+        >>> opt = adam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+        >>> apply_updates(params, updates)
+        {'w': tensor([0.9000, 0.9000])}
+    """
+    parts = [add_decayed_weights(weight_decay)] if weight_decay else []
+    parts += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    return chain(*parts)
+
+
+def adamw(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    """AdamW with ``torch.optim.AdamW`` semantics: ``params *= 1 - lr * weight_decay``, then
+    the Adam step. ``mask`` selects the params that decay (see :func:`masked`).
+
+    Example:
+        >>> import torch
+        >>> no_bias = lambda path, p: not path.endswith("bias")
+        >>> opt = adamw(0.1, weight_decay=0.5, mask=no_bias)
+        >>> params = {"w": torch.ones(1), "bias": torch.ones(1)}
+        >>> grads = {"w": torch.ones(1), "bias": torch.ones(1)}
+        >>> updates, state = opt.update(grads, opt.init(params), params)
+        >>> apply_updates(params, updates)
+        {'w': tensor([0.8500]), 'bias': tensor([0.9000])}
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
