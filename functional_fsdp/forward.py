@@ -82,6 +82,7 @@ class Policy:
     grad_reduce: Literal["mean", "sum"] = "mean"
 
 
+ForwardWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 UnitsArg = type | tuple[type, ...] | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 
@@ -497,6 +498,8 @@ class FSDP:
         units: module paths of the units (the root unit holds every other parameter).
         policy: see :class:`Policy`.
         specs: the parameter layout: a ``P``, a ``{name: P}`` dict, or a rule.
+        wrappers: ``(module path, wrapper)`` pairs: during :meth:`apply` the submodule's
+            ``forward`` is replaced by ``wrapper(forward)`` (tensor-parallel styles use this).
     """
 
     module: nn.Module
@@ -505,6 +508,7 @@ class FSDP:
     units: tuple[str, ...]
     policy: Policy
     specs: Specs
+    wrappers: tuple[tuple[str, ForwardWrapper], ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def param_specs(self) -> dict[str, P]:
@@ -604,6 +608,11 @@ class FSDP:
 
         patched = []
         try:
+            # Inner wrappers first (e.g. tensor-parallel styles), then the unit gathers.
+            for path, wrapper in self.wrappers:
+                m = modules[path]
+                patched.append((m, m.__dict__.get("forward")))
+                m.forward = wrapper(m.forward)  # type: ignore[method-assign]
             for unit in self.units:
                 m = modules[unit]
                 patched.append((m, m.__dict__.get("forward")))
@@ -618,7 +627,7 @@ class FSDP:
                 self.module, tensors, args, kwargs, tie_weights=False, strict=False
             )
         finally:
-            for m, previous in patched:
+            for m, previous in reversed(patched):
                 if previous is None:
                     del m.forward
                 else:
@@ -754,6 +763,7 @@ def fsdp(
     units: UnitsArg = None,
     policy: Policy | None = None,
     data_axes: Sequence[str] | None = None,
+    wrappers: Sequence[tuple[str, ForwardWrapper]] = (),
 ) -> FSDP:
     """Describe how to run ``module`` fully sharded over ``mesh``.
 
@@ -770,6 +780,8 @@ def fsdp(
         units: which submodules are gathered as one unit (see :func:`find_units`).
         policy: see :class:`Policy`.
         data_axes: the mesh axes that split the batch (default: every axis but ``"tp"``).
+        wrappers: ``(module path, wrapper)`` pairs applied to submodules' ``forward`` during
+            :meth:`FSDP.apply` only (the module object is restored after every call).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -797,4 +809,18 @@ def fsdp(
         units=tuple(find_units(module, units)),
         policy=policy or Policy(),
         specs=specs if specs is not None else default_specs(mesh, data_axes),
+        wrappers=_check_wrappers(module, wrappers),
     )
+
+
+def _check_wrappers(
+    module: nn.Module, wrappers: Sequence[tuple[str, ForwardWrapper]]
+) -> tuple[tuple[str, ForwardWrapper], ...]:
+    modules = dict(module.named_modules())
+    for path, _ in wrappers:
+        if path not in modules:
+            raise ValueError(
+                f"wrapper for module path {path!r}: {type(module).__name__} has no such submodule "
+                f"(paths look like {[p for p in modules if p][:6]})"
+            )
+    return tuple(wrappers)
