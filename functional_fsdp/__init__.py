@@ -65,6 +65,9 @@ from .simulate import rank_values as rank_values
 from .simulate import simulated_mesh as simulated_mesh
 from .spec import Layout as Layout
 from .spec import P as P
+from .train import DonatedStateError as DonatedStateError
+from .train import TrainState as TrainState
+from .train import train_step as train_step
 
 __version__ = "0.1.0"
 
@@ -73,6 +76,7 @@ __all__ = [
     "Axis",
     "CommCounter",
     "CommRecord",
+    "DonatedStateError",
     "EmptyState",
     "GradientTransformation",
     "Layout",
@@ -86,6 +90,7 @@ __all__ = [
     "Schedule",
     "Sharded",
     "TraceState",
+    "TrainState",
     "TransformInitFn",
     "TransformUpdateFn",
     "WorkerError",
@@ -126,6 +131,7 @@ __all__ = [
     "shard",
     "simulated_mesh",
     "trace",
+    "train_step",
     "tree_leaves",
     "tree_map",
     "warmup_cosine_decay_schedule",
