@@ -1,0 +1,163 @@
+"""TrainState and train_step: every strategy against the single-process trajectory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_fsdp as ff
+from functional_fsdp.models import GPT, lm_loss
+
+from . import _train_workers as T
+from ._fsdp_workers import CFG
+
+
+def _simulated_strategy(name: str, steps: int = 4):
+    axes, fsdp_kwargs, step_kwargs = T.STRATEGIES[name]
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ff.adamw(T.LR, **T.OPT)
+    data = T.batches(steps)  # outside the simulation: there, ranks draw from a generator in turn
+    with ff.simulated_mesh(axes) as mesh:
+        f = ff.fsdp(model, mesh, **fsdp_kwargs)
+        step = ff.train_step(
+            lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f, **step_kwargs
+        )
+        state = ff.TrainState.create(f.shard(), opt, opt_specs=step_kwargs.get("opt_specs"))
+        losses = []
+        for b in data:
+            state, metrics = step(state, b)
+            losses.append(ff.rank_values(metrics["loss"])[0].item())
+        params = {k: ff.rank_values(v)[0] for k, v in ff.gather(state.params).items()}
+    return losses, params
+
+
+def _reference_at(steps: int):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ff.adamw(T.LR, **T.OPT)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state, losses = opt.init(params), []
+    for b in T.batches(steps):
+        grads, loss = torch.func.grad_and_value(
+            lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])
+        )(params)
+        updates, state = opt.update(grads, state, params)
+        params = ff.apply_updates(params, updates)
+        losses.append(loss.item())
+    return losses, params
+
+
+@pytest.mark.parametrize("name", list(T.STRATEGIES))
+def test_strategy_matches_single_process_simulated(name):
+    ref_losses, ref_params = _reference_at(4)
+    losses, params = _simulated_strategy(name)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    for k in ref_params:
+        torch.testing.assert_close(params[k], ref_params[k], atol=2e-5, rtol=1e-4, msg=k)
+
+
+def test_metrics_loss_grad_norm_and_lr():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    b = T.batches(1)[0]
+    schedule = ff.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    opt = ff.adamw(schedule)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    grads = torch.func.grad(
+        lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])
+    )(params)
+    ref_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        f = ff.fsdp(model, mesh)
+        step = ff.train_step(
+            lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]),
+            opt,
+            model=f,
+            learning_rate=schedule,
+        )
+        state = ff.TrainState.create(f.shard(), opt)
+        state, m1 = step(state, b)
+        _, m2 = step(state, b)
+        norm = ff.rank_values(m1["grad_norm"])[0].item()
+    assert abs(norm - ref_norm) < 1e-5 * ref_norm
+    assert m1["lr"] == 0.0 and m2["lr"] == pytest.approx(5e-3)
+
+
+def test_donated_state_raises_and_default_is_pure():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ff.sgd(0.1, momentum=0.9)
+    b = T.batches(1)[0]
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        f = ff.fsdp(model, mesh)
+        loss_fn = lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:])  # noqa: E731
+        state = ff.TrainState.create(f.shard(), opt)
+        before = [t.clone() for t in ff.tree_leaves(state.params)]
+        pure = ff.train_step(loss_fn, opt, model=f)
+        new, _ = pure(state, b)
+        assert all(torch.equal(a, c) for a, c in zip(before, ff.tree_leaves(state.params)))
+        donating = ff.train_step(loss_fn, opt, model=f, donate=True)
+        donated, _ = donating(state, b)
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip(ff.tree_leaves(new.params), ff.tree_leaves(donated.params))
+        )
+        with pytest.raises(
+            ff.DonatedStateError, match=r"donated to a train_step\(donate=True\) call at step 0"
+        ):
+            state.params  # noqa: B018
+        with pytest.raises(ff.DonatedStateError, match="Use the state that call returned"):
+            donating(state, b)
+
+
+def test_bad_input_errors():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = ff.sgd(0.1)
+    b = T.batches(1, size=6)[0]
+    b4, b8 = T.batches(1, size=4)[0], T.batches(1, size=8)[0]
+    with ff.simulated_mesh({"dp": 4}) as mesh:
+        f = ff.fsdp(model, mesh)
+        state = ff.TrainState.create(f.shard(), opt)
+        step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
+        with pytest.raises(
+            ValueError,
+            match=r"global batch of 6 examples .* does not divide across the 4 data-parallel ranks of Mesh\(dp=4\)",
+        ):
+            step(state, b)
+        bad = ff.train_step(lambda p, b: f.apply(p, b[:, :-1]).mean(-1), opt, model=f)
+        with pytest.raises(
+            ValueError, match=r"loss_fn must return a scalar tensor .* got \(1, 12\)"
+        ):
+            bad(state, b4)
+        accum = ff.train_step(
+            lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f, accumulate=3
+        )
+        with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
+            accum(state, b8)
+        other = ff.TrainState(state.params, ff.sgd(0.1, momentum=0.9).init({"w": torch.zeros(2)}))
+        momentum = ff.train_step(
+            lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]),
+            ff.sgd(0.1, momentum=0.9),
+            model=f,
+        )
+        with pytest.raises(ValueError, match="built by init\\(\\) for another params tree"):
+            momentum(other, b4)
+
+
+@pytest.mark.multiprocess
+def test_gloo_strategies_match_reference_trajectory(pools):
+    names = [n for n in T.STRATEGIES if n != "hsdp"]
+    results = pools.run(2, T.compare_strategies, names)[0]
+    for name, (loss_diff, param_diff) in results.items():
+        assert loss_diff < 1e-5 and param_diff < 5e-5, (name, loss_diff, param_diff)
+    loss_diff, param_diff = pools.run(2, T.zero3_vs_fsdp2_adamw)[0]
+    assert loss_diff < 1e-5 and param_diff < 5e-5, (loss_diff, param_diff)
+    assert all(pools.run(2, T.determinism))
+
+
+@pytest.mark.multiprocess
+def test_gloo_hsdp_trajectory(pools):
+    loss_diff, param_diff = pools.run(4, T.compare_strategies, ["hsdp"])[0]["hsdp"]
+    assert loss_diff < 1e-5 and param_diff < 5e-5
