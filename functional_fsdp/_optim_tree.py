@@ -7,9 +7,11 @@ their local tensors. Errors name leaves by dotted path and show ``Sharded`` valu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -113,9 +115,42 @@ def zeros_like_tree(tree: Any) -> Any:
     return tree_map(torch.zeros_like, tree)
 
 
+_DONATING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "functional_fsdp_optim_donating", default=False
+)
+
+
+@contextlib.contextmanager
+def donating() -> Iterator[None]:
+    """Let transformations overwrite the updates and the state they are given.
+
+    Only ``train_step(donate=True)`` enters this: the updates are then gradients the step
+    owns, and the state is donated. Results are bitwise the same as out of place.
+    """
+    token = _DONATING.set(True)
+    try:
+        yield
+    finally:
+        _DONATING.reset(token)
+
+
+def is_donating() -> bool:
+    """True inside :func:`donating`."""
+    return _DONATING.get()
+
+
 def map_foreach(fn: Callable[..., list[torch.Tensor]], tree: Any, *args: Any, **kw: Any) -> Any:
-    """``fn(local_tensors, *args, **kw)``, rebuilt into the structure of ``tree``."""
+    """``fn(local_tensors, *args, **kw)``, rebuilt into the structure of ``tree``.
+
+    When donating, the in-place variant (``torch._foreach_mul_`` for ``_foreach_mul``)
+    overwrites ``tree``'s tensors instead.
+    """
     leaves, treedef = local_leaves(tree)
     if not leaves:
         return tree
+    if _DONATING.get():
+        inplace = getattr(torch, fn.__name__ + "_", None)
+        if inplace is not None:
+            inplace(leaves, *args, **kw)
+            return tree
     return optree.tree_unflatten(treedef, fn(leaves, *args, **kw))

@@ -38,6 +38,7 @@ from ._optim_tree import (
     check_real,
     check_tensor_tree,
     check_unit_interval,
+    is_donating,
     leaves_like,
     local_leaves,
     map_foreach,
@@ -305,6 +306,13 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         if not g:
             return updates, state
         new_buf = torch._foreach_add(g, buf, alpha=decay)
+        if is_donating():  # write the buffer and the updates in place (same arithmetic)
+            torch._foreach_copy_(buf, new_buf)
+            if nesterov:
+                torch._foreach_add_(g, buf, alpha=decay)
+            else:
+                torch._foreach_copy_(g, buf)
+            return updates, state
         out = torch._foreach_add(g, new_buf, alpha=decay) if nesterov else new_buf
         new_trace = optree.tree_unflatten(treedef, new_buf)
         return optree.tree_unflatten(treedef, out), TraceState(trace=new_trace)
@@ -341,9 +349,20 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         count = state.count + 1
         if not g:
             return updates, state._replace(count=count)
+        bc1, bc2 = 1.0 - b1**count, 1.0 - b2**count
+        if is_donating():  # moments in place, the step's grads reused as scratch
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+            torch._foreach_copy_(g, nu)
+            torch._foreach_sqrt_(g)
+            torch._foreach_div_(g, bc2**0.5)
+            torch._foreach_add_(g, eps)
+            out = torch._foreach_div(mu, g)
+            torch._foreach_div_(out, bc1)
+            return optree.tree_unflatten(treedef, out), state._replace(count=count)
         new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
         new_nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1.0 - b2)
-        bc1, bc2 = 1.0 - b1**count, 1.0 - b2**count
         denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(new_nu), bc2**0.5), eps)
         out = torch._foreach_div(torch._foreach_div(new_mu, denom), bc1)
         new_state = ScaleByAdamState(

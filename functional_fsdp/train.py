@@ -8,6 +8,7 @@ global-batch split, gradient accumulation, ZeRO-1 optimizer sharding, metrics an
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -16,6 +17,7 @@ import optree
 import torch
 
 from . import collectives as C
+from ._optim_tree import donating
 from ._tree import NAMESPACE, tree_leaves
 from .clipping import global_norm
 from .forward import FSDP
@@ -329,7 +331,8 @@ def train_step(
             grads = reshard(grads, opt_specs)
             params = reshard(params, opt_specs)
         norm = global_norm(grads)
-        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        with donating() if donate else contextlib.nullcontext():
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
         if donate:
             new_params = _apply_in_place(params, updates)
             new_opt_state = _donate_into(opt_state, new_opt_state)
