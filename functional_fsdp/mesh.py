@@ -125,8 +125,25 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
 
 
 def coordinate_of(mesh: DeviceMesh, rank: int) -> dict[str, int]:
-    """The mesh coordinate of a global rank, by axis name."""
-    hits = (mesh.mesh == rank).nonzero().tolist()
-    if len(hits) != 1:
-        raise ValueError(f"rank {rank} is not in the mesh {mesh.mesh.tolist()}")
-    return dict(zip(axis_names(mesh), hits[0]))
+    """The mesh coordinate of a global rank, by axis name.
+
+    Works inside ``torch.func`` transforms (e.g. ``reshard`` under ``torch.func.grad``), where
+    ``mesh.mesh`` would otherwise be computed as a transformed tensor that cannot be read.
+    """
+    with torch._C._DisableFuncTorch():
+        grid = mesh.mesh
+        per_rank = getattr(grid, "_local_tensors", None)  # a simulated mesh: the same everywhere
+        if per_rank is not None:
+            grid = next(iter(per_rank.values()))
+        ranks = grid.tolist()
+    shape = tuple(int(s) for s in grid.shape)
+    flat: list[int] = ranks
+    for _ in shape[1:]:
+        flat = [r for row in flat for r in row]  # type: ignore[union-attr]
+    if flat.count(rank) != 1:
+        raise ValueError(f"rank {rank} is not in the mesh {ranks}")
+    index, coord = flat.index(rank), []
+    for size in reversed(shape):
+        coord.append(index % size)
+        index //= size
+    return dict(zip(axis_names(mesh), reversed(coord)))

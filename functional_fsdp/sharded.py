@@ -48,7 +48,7 @@ class Sharded:
         >>> with ff.simulated_mesh({"dp": 2}) as mesh:
         ...     w = ff.shard(torch.zeros(5, 3), mesh, ff.P("dp"))
         ...     print(w)
-        Sharded(shape=(5, 3), dtype=torch.float32, spec=P('dp', None), mesh=Mesh(dp=2), local=(3, 3))
+        Sharded(shape=(5, 3), dtype=torch.float32, spec=P('dp'), mesh=Mesh(dp=2), local=(3, 3))
     """
 
     __slots__ = ("global_shape", "local", "mesh", "spec")
@@ -61,14 +61,14 @@ class Sharded:
         self, local: torch.Tensor, global_shape: tuple[int, ...], spec: P, mesh: DeviceMesh
     ) -> None:
         global_shape = tuple(int(s) for s in global_shape)
-        layout = _layout(global_shape, spec.padded(len(global_shape)), _sizes_key(mesh))
-        if tuple(local.shape) != layout.local_shape:
-            raise ValueError(
-                f"Sharded local shape {tuple(local.shape)} contradicts its layout: global shape "
-                f"{global_shape} with {spec} on {format_mesh(axis_sizes(mesh))} has padded "
-                f"local blocks of shape {layout.local_shape}. Build Sharded values with "
-                f"ff.shard(full_tensor, mesh, spec), or pass the padded block."
+        if not isinstance(spec, P):
+            raise TypeError(
+                f"Sharded needs a P spec, got {spec!r} ({type(spec).__name__}); write "
+                f"P('dp', None) rather than a tuple."
             )
+        problem = local_shape_problem(tuple(local.shape), global_shape, spec, mesh)
+        if problem:
+            raise ValueError(problem)
         self.local = local
         self.global_shape = global_shape
         self.spec = spec.padded(len(global_shape))
@@ -136,6 +136,22 @@ class Sharded:
 
 def _sizes_key(mesh: DeviceMesh) -> tuple[tuple[str, int], ...]:
     return tuple(axis_sizes(mesh).items())
+
+
+def local_shape_problem(
+    local_shape: tuple[int, ...], global_shape: tuple[int, ...], spec: P, mesh: DeviceMesh
+) -> str | None:
+    """Why a local block of ``local_shape`` cannot belong to this layout, or ``None``."""
+    layout = _layout(global_shape, spec.padded(len(global_shape)), _sizes_key(mesh))
+    if tuple(local_shape) == layout.local_shape:
+        return None
+    return (
+        f"Sharded local shape {tuple(local_shape)} contradicts its layout: global shape "
+        f"{global_shape} with {spec.trimmed()} on {format_mesh(axis_sizes(mesh))} has padded "
+        f"local blocks of shape {layout.local_shape}. Build Sharded values with "
+        f"ff.shard(full_tensor, mesh, spec), or pass the padded block; a function mapped over "
+        f"local shards must keep their shape."
+    )
 
 
 def _flatten(s: Sharded) -> tuple[tuple[Any], tuple[Any, ...], tuple[str]]:
@@ -207,24 +223,85 @@ def _placements(s: Sharded) -> list[Any]:
     return placements
 
 
+def _dtensor_mismatch(layout: Layout, mesh: DeviceMesh, placements: tuple[Any, ...]) -> str | None:
+    """Where DTensor's ``placements`` lay out a tensor differently from ``layout``, or ``None``.
+
+    Both split a dim over several axes level by level, but this library splits each level's
+    padded block (``ceil(n/s1)``, then ``ceil(ceil(n/s1)/s2)``) while DTensor splits the real
+    rows a coordinate holds at each level. For some uneven sizes the two disagree, e.g. 5 rows
+    over ``("dp", "tp")`` on a 2x2 mesh: this library gives rows ``[0:2], [2:3], [3:5], []``,
+    DTensor ``[0:2], [2:3], [3:4], [4:5]``.
+    """
+    return _dtensor_mismatch_cached(layout, _sizes_key(mesh), placements)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dtensor_mismatch_cached(
+    layout: Layout, sizes: tuple[tuple[str, int], ...], placements: tuple[Any, ...]
+) -> str | None:
+    import itertools
+
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    names = [a for a, _ in sizes]
+    shape = [n for _, n in sizes]
+    for coord in itertools.product(*(range(n) for n in shape)):
+        theirs_shape, theirs_offset = _compute_local_shape_and_global_offset(
+            layout.global_shape, shape, list(coord), list(placements)
+        )
+        named = dict(zip(names, coord))
+        slices, _ = layout.owned(named)
+        for dim, sl in enumerate(slices):
+            ours = sl.stop - sl.start
+            theirs = int(theirs_shape[dim])
+            if ours != theirs or (ours and sl.start != int(theirs_offset[dim])):
+                start = int(theirs_offset[dim])
+                return (
+                    f"at mesh coordinate {named}, dim {dim} holds indices [{sl.start}:{sl.stop}] "
+                    f"here but [{start}:{start + theirs}] under DTensor's placements "
+                    f"{list(placements)}"
+                )
+    return None
+
+
+def _layout_disagrees(layout: Layout, mesh: DeviceMesh, problem: str) -> str:
+    dims = [d for d in range(len(layout.global_shape)) if len(layout.spec.entry(d)) > 1]
+    sizes = axis_sizes(mesh)
+    multiples = ", ".join(
+        f"dim {d} ({layout.global_shape[d]}) a multiple of "
+        f"{math.prod(sizes[a] for a in layout.spec.entry(d))}"
+        for d in dims
+    )
+    return (
+        f"shape {layout.global_shape} with {layout.spec.trimmed()} on {format_mesh(sizes)} "
+        f"cannot be expressed as a DTensor: {problem}. This library splits the padded block at "
+        f"each level of a dim split over several axes, DTensor splits the real rows, and the "
+        f"two differ for this uneven size. Make {multiples} (pad the tensor), or reshard so "
+        f"that each dim is split over at most one axis before converting."
+    )
+
+
 def _to_dtensor(s: Sharded) -> torch.distributed.tensor.DTensor:
     from torch.distributed.tensor import DTensor
 
     from .simulate import per_coordinate
 
     layout = s.layout
+    placements = _placements(s)
+    problem = _dtensor_mismatch(layout, s.mesh, tuple(placements))
+    if problem:
+        raise ValueError("to_dtensor: " + _layout_disagrees(layout, s.mesh, problem))
     local = per_coordinate(s.mesh, lambda c: unpad(_rank_local(s.local, s.mesh, c), layout, c))
     stride = torch.empty(s.global_shape, device="meta").stride()
     return DTensor.from_local(
-        local, s.mesh, _placements(s), run_check=False, shape=s.shape, stride=stride
+        local, s.mesh, placements, run_check=False, shape=s.shape, stride=stride
     )
 
 
 def _rank_local(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
-    from .simulate import is_simulated, on_rank
+    # No is_simulated() test: per_coordinate calls this with the simulation switched off.
+    from .simulate import on_rank
 
-    if not is_simulated():
-        return t
     rank = int(mesh.mesh[tuple(coord[a] for a in axis_names(mesh))])
     return on_rank(t, rank)
 
@@ -255,6 +332,9 @@ def _from_dtensor(dt: torch.distributed.tensor.DTensor) -> Sharded:
     spec = P(*(tuple(e) for e in entries))
     shape = tuple(dt.shape)
     layout = _layout(shape, spec.padded(len(shape)), _sizes_key(mesh))
+    problem = _dtensor_mismatch(layout, mesh, tuple(dt.placements))
+    if problem:
+        raise ValueError("from_dtensor: " + _layout_disagrees(layout, mesh, problem))
     local_real = dt.to_local()
 
     def padded(coord: dict[str, int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import optree
 import torch
@@ -18,12 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import collectives as C
 from ._tree import keystr
 from .mesh import axis_names, axis_sizes
-from .sharded import Sharded, block_of
+from .sharded import Sharded, block_of, local_shape_problem
 from .simulate import on_rank, per_coordinate
 from .spec import Layout, P, format_mesh, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
-Specs = Union[P, SpecRule, Any]
+Specs = P | SpecRule | Any
 
 
 # --------------------------------------------------------------------------- tree plumbing
@@ -46,7 +46,7 @@ def resolve_specs(tree: Any, specs: Specs) -> list[P | None]:
     ``fn(dotted_path, tensor) -> P | None``, or a tree of ``P`` matching ``tree`` or a prefix
     of it. ``None`` in a spec tree or from a rule means replicated, ``P()``.
     """
-    paths, leaves, treedef = _flatten(tree)
+    paths, leaves, _ = _flatten(tree)
     if isinstance(specs, P):
         per_leaf: list[Any] = [specs] * len(leaves)
     elif callable(specs) and not isinstance(specs, (dict, list, tuple)):
@@ -60,12 +60,11 @@ def resolve_specs(tree: Any, specs: Specs) -> list[P | None]:
                 specs, tree, is_leaf=lambda s: isinstance(s, P) or s is None, none_is_leaf=True
             )
         except ValueError as e:
+            where = _first_mismatch(specs, tree, ()) or f"{e}"
             raise ValueError(
-                f"the specs tree does not match the tree of tensors: {e}\n"
-                f"  specs structure:  {optree.tree_structure(specs, is_leaf=_is_spec, none_is_leaf=True)}\n"
-                f"  tensor structure: {treedef}\n"
-                f"Give specs with the same keys as the tree (or a prefix of it), or a rule "
-                f"fn(path, tensor) -> P."
+                f"the specs do not match the tree {where}. Give specs with the same structure "
+                f"as the tree, or a prefix of it (one P for a whole subtree), a single P for "
+                f"every tensor, or a rule fn(path, tensor) -> P."
             ) from None
         per_leaf = optree.tree_leaves(broadcast, is_leaf=_is_spec, none_is_leaf=True)
     out: list[P | None] = []
@@ -78,14 +77,63 @@ def resolve_specs(tree: Any, specs: Specs) -> list[P | None]:
             out.append(spec)
         else:
             raise TypeError(
-                f"the spec for {keystr(path)} is {spec!r} ({type(spec).__name__}); specs must "
-                f"be P objects, e.g. P('dp', None). Write P(*entries) instead of a tuple."
+                f"the spec for {keystr(path)} (shape {tuple(leaf.shape)}) is {spec!r} "
+                f"({type(spec).__name__}); specs must be P objects, e.g. P('dp', None). Write "
+                f"P(*entries) instead of a tuple or a string."
             )
     return out
 
 
 def _is_spec(s: Any) -> bool:
     return isinstance(s, P) or s is None
+
+
+def _one_level(node: Any) -> tuple[list[Any], list[Any], optree.PyTreeSpec]:
+    paths, children, treedef = optree.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node, none_is_leaf=True
+    )
+    return ([] if treedef.is_leaf() else [p[0] for p in paths]), children, treedef
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Sharded):
+        return f"a Sharded value of shape {x.global_shape} ({x.spec.trimmed()})"
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    keys, _, treedef = _one_level(x)
+    if treedef.is_leaf():
+        return f"{x!r} ({type(x).__name__})"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(keys)}"
+    return f"a {type(x).__name__} with keys {keys}"
+
+
+def _first_mismatch(specs: Any, tree: Any, path: tuple[Any, ...]) -> str | None:
+    """Where a specs tree stops being a prefix of ``tree``, described for an error message."""
+    if _is_spec(specs):
+        return None
+    spec_keys, spec_children, spec_def = _one_level(specs)
+    keys, children, treedef = _one_level(tree)
+    if (
+        spec_def.is_leaf()
+        or treedef.is_leaf()
+        or spec_def.type is not treedef.type
+        or (spec_keys != keys)
+    ):
+        hint = ""
+        if isinstance(specs, (tuple, list)) and isinstance(tree, (torch.Tensor, Sharded)):
+            hint = (
+                " (a tuple or list in a specs tree is structure, not a spec: write P('dp', None))"
+            )
+        return (
+            f"at {keystr(path)}: the tree has {_describe(tree)}, but the specs have "
+            f"{_describe(specs)}{hint}"
+        )
+    for key, s, t in zip(keys, spec_children, children):
+        found = _first_mismatch(s, t, (*path, key))
+        if found:
+            return found
+    return None
 
 
 def _checked_layout(
@@ -172,6 +220,8 @@ class _BucketAllGather(torch.autograd.Function):
         n = axis_sizes(mesh)[axis]
         flat = _pack([t.reshape(-1) for t in locals_])
         gathered = C.wait(C.raw_all_gather(flat, mesh, axis))  # [n, total]
+        if n == 1:  # not communicated: copy, so that no output aliases an input shard
+            gathered = gathered.clone()
         outs, offset = [], 0
         for piece in pieces:
             numel = _numel(piece.local_shape)
@@ -262,9 +312,14 @@ def _buckets(values: list[Sharded], bucket_bytes: int | None) -> list[list[int]]
 def _gather_values(
     values: list[Sharded], wanted: list[set[str]], bucket_bytes: int | None
 ) -> list[Sharded | torch.Tensor]:
-    """Gather ``wanted[i]`` axes out of ``values[i]``, minor axes first, bucketed per axis."""
+    """Gather ``wanted[i]`` axes out of ``values[i]``, minor axes first, bucketed per axis.
+
+    An axis is gathered only once every value that still wants it has it minor-most, so that
+    each axis takes one bucketed collective (per dtype) wherever the specs allow it.
+    """
     current: list[Sharded | torch.Tensor] = list(values)
     remaining = [set(w) for w in wanted]
+    names = axis_names(values[0].mesh)
     while True:
         ready: dict[str, list[int]] = {}
         for i, v in enumerate(current):
@@ -275,8 +330,9 @@ def _gather_values(
                         ready.setdefault(entry[-1], []).append(i)
         if not ready:
             break
-        names = axis_names(values[0].mesh)
-        axis = max(ready, key=lambda a: (len(ready[a]), -names.index(a)))
+        blocked = {a for i, r in enumerate(remaining) for a in r if i not in ready.get(a, ())}
+        choices = [a for a in ready if a not in blocked] or list(ready)
+        axis = max(choices, key=lambda a: (len(ready[a]), -names.index(a)))
         idx = ready[axis]
         outs = bucketed_all_gather([current[i] for i in idx], axis, bucket_bytes=bucket_bytes)  # type: ignore[misc]
         for i, out in zip(idx, outs):
@@ -285,7 +341,12 @@ def _gather_values(
     return current
 
 
-def _check_one_mesh(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
+def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
+    """All values on one mesh, each with a local block of its layout's shape."""
+    for path, v in zip(paths, values):
+        problem = local_shape_problem(tuple(v.local.shape), v.global_shape, v.spec, v.mesh)
+        if problem:
+            raise ValueError(f"{what}(): {keystr(path)}: {problem}")
     first = values[0]
     for path, v in zip(paths[1:], values[1:]):
         if v.mesh is not first.mesh and v.mesh != first.mesh:
@@ -330,14 +391,16 @@ def gather(
     if not idx:
         return tree
     values: list[Sharded] = [leaves[i] for i in idx]
-    _check_one_mesh([paths[i] for i in idx], values, "gather")
+    _check_values([paths[i] for i in idx], values, "gather")
     wanted_axes = None if axes is None else ({axes} if isinstance(axes, str) else set(axes))
     if wanted_axes is not None:
         unknown = wanted_axes - set(axis_names(values[0].mesh))
         if unknown:
             raise ValueError(
                 f"gather(axes={sorted(wanted_axes)}): the mesh "
-                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {sorted(unknown)[0]!r}."
+                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {sorted(unknown)[0]!r}; "
+                f"name some of its axes {axis_names(values[0].mesh)}, or pass axes=None to "
+                f"gather all of them."
             )
     wanted = [
         set(v.spec.axes) if wanted_axes is None else wanted_axes & set(v.spec.axes) for v in values
@@ -383,7 +446,7 @@ def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
     if not idx:
         return tree
     values: list[Sharded] = [leaves[i] for i in idx]
-    _check_one_mesh([paths[i] for i in idx], values, "reshard")
+    _check_values([paths[i] for i in idx], values, "reshard")
     targets = []
     wanted = []
     for i, v in zip(idx, values):
@@ -423,8 +486,9 @@ def _slice_to(value: Sharded | torch.Tensor, original: Sharded, target: P) -> Sh
             continue
         length = local.shape[dim]
         index = per_coordinate(mesh, lambda c, d=dim, n=length: _block_index(sub, c, d, n))
-        zero = torch.zeros_like(local.narrow(dim, 0, 1))
-        local = torch.index_select(torch.cat([local, zero], dim), dim, index)
+        # Append one zero slot for the padding positions (also when ``local`` is empty).
+        padded = torch.nn.functional.pad(local, [0, 0] * (local.ndim - 1 - dim) + [0, 1])
+        local = torch.index_select(padded, dim, index)
     return Sharded(local, original.global_shape, target, mesh)
 
 

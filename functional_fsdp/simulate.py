@@ -86,7 +86,10 @@ def per_coordinate(mesh: DeviceMesh, fn: Callable[[dict[str, int]], torch.Tensor
     """
     if is_simulated():
         lt = _local_tensor_module()
-        return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
+        # Build the per-rank tensor outside any torch.func transform: one made inside it is
+        # not a valid input to later ops (it holds the transform's wrappers per rank).
+        with torch._C._DisableFuncTorch():
+            return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
     return fn(coordinate_of(mesh, dist.get_rank()))
 
 

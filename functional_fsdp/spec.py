@@ -19,9 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
-SpecEntry = Union[None, str, tuple[str, ...]]
+SpecEntry = None | str | tuple[str, ...]
 
 
 class P:
@@ -55,10 +54,15 @@ class P:
             for axis in _entry_axes(entry):
                 if axis in seen:
                     shown = ", ".join(repr(e) for e in normalized)
+                    where = (
+                        f"in dims {seen[axis]} and {dim}"
+                        if seen[axis] != dim
+                        else f"in the tuple of dim {dim}"
+                    )
                     raise ValueError(
-                        f"P({shown}) uses mesh axis {axis!r} twice (in dims {seen[axis]} and "
-                        f"{dim}). A mesh axis may split at most one dim; to split one dim over "
-                        f"several axes write a tuple, e.g. P(('tp', 'dp'))."
+                        f"P({shown}) uses mesh axis {axis!r} twice ({where}). A mesh axis may "
+                        f"split at most one dim; to split one dim over several axes write a "
+                        f"tuple, e.g. P(('tp', 'dp'))."
                     )
                 seen[axis] = dim
         object.__setattr__(self, "_entries", tuple(normalized))
@@ -128,14 +132,16 @@ class P:
 
 
 def _normalize_entry(entry: object, dim: int, entries: Sequence[object]) -> SpecEntry:
-    if entry is None or isinstance(entry, str):
+    if entry is None:
         return entry
+    if isinstance(entry, str):
+        return str.__str__(entry)  # a plain str, also for str enums such as Axis.DP
     if isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry):
         if len(entry) == 0:
             return None
         if len(entry) == 1:
-            return entry[0]
-        return tuple(entry)
+            return str.__str__(entry[0])
+        return tuple(str.__str__(a) for a in entry)
     raise TypeError(
         f"P entry {dim} is {entry!r} ({type(entry).__name__}); each entry must be None, a mesh "
         f"axis name, or a tuple of axis names ordered major to minor, e.g. P('dp', None) or "
@@ -187,7 +193,9 @@ class Layout:
         shape = tuple(int(s) for s in shape)
         problem = spec_problem(shape, spec, axis_sizes)
         if problem:
-            raise ValueError(problem)
+            raise ValueError(
+                f"cannot lay out shape {shape} with {spec} on {format_mesh(axis_sizes)}: {problem}."
+            )
         return Layout(shape, spec.padded(len(shape)), tuple(axis_sizes.items()))
 
     @property
