@@ -264,23 +264,6 @@ def _dtensor_mismatch_cached(
     return None
 
 
-def _layout_disagrees(layout: Layout, mesh: DeviceMesh, problem: str) -> str:
-    dims = [d for d in range(len(layout.global_shape)) if len(layout.spec.entry(d)) > 1]
-    sizes = axis_sizes(mesh)
-    multiples = ", ".join(
-        f"dim {d} ({layout.global_shape[d]}) a multiple of "
-        f"{math.prod(sizes[a] for a in layout.spec.entry(d))}"
-        for d in dims
-    )
-    return (
-        f"shape {layout.global_shape} with {layout.spec.trimmed()} on {format_mesh(sizes)} "
-        f"cannot be expressed as a DTensor: {problem}. This library splits the padded block at "
-        f"each level of a dim split over several axes, DTensor splits the real rows, and the "
-        f"two differ for this uneven size. Make {multiples} (pad the tensor), or reshard so "
-        f"that each dim is split over at most one axis before converting."
-    )
-
-
 def _to_dtensor(s: Sharded) -> torch.distributed.tensor.DTensor:
     from torch.distributed.tensor import DTensor
 
@@ -288,14 +271,53 @@ def _to_dtensor(s: Sharded) -> torch.distributed.tensor.DTensor:
 
     layout = s.layout
     placements = _placements(s)
-    problem = _dtensor_mismatch(layout, s.mesh, tuple(placements))
-    if problem:
-        raise ValueError("to_dtensor: " + _layout_disagrees(layout, s.mesh, problem))
-    local = per_coordinate(s.mesh, lambda c: unpad(_rank_local(s.local, s.mesh, c), layout, c))
     stride = torch.empty(s.global_shape, device="meta").stride()
+    if _dtensor_mismatch(layout, s.mesh, tuple(placements)):
+        local = _dtensor_local_via_gather(s, placements)
+    else:
+        local = per_coordinate(s.mesh, lambda c: unpad(_rank_local(s.local, s.mesh, c), layout, c))
     return DTensor.from_local(
         local, s.mesh, placements, run_check=False, shape=s.shape, stride=stride
     )
+
+
+def _multi_axis_dims(s: Sharded) -> list[int]:
+    return [d for d in range(s.ndim) if len(s.spec.entry(d)) > 1]
+
+
+def _dtensor_local_via_gather(s: Sharded, placements: list[Any]) -> torch.Tensor:
+    """DTensor's local piece when its row split differs from ours (uneven multi-axis dims).
+
+    The dims split over several axes are gathered (one all-gather per axis), then each rank
+    cuts DTensor's own chunk; the other dims already agree.
+    """
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from .sharding import gather
+    from .simulate import per_coordinate
+
+    dims = _multi_axis_dims(s)
+    axes = [a for d in dims for a in s.spec.entry(d)]
+    part = gather(s, axes)
+    part_local = part.local if isinstance(part, Sharded) else part
+    part_layout = (
+        part.layout
+        if isinstance(part, Sharded)
+        else _layout(s.global_shape, P().padded(s.ndim), _sizes_key(s.mesh))
+    )
+    names = axis_names(s.mesh)
+    shape = [int(n) for n in s.mesh.shape]
+
+    def piece(coord: dict[str, int]) -> torch.Tensor:
+        out = unpad(_rank_local(part_local, s.mesh, coord), part_layout, coord)
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            s.global_shape, shape, [coord[a] for a in names], placements
+        )
+        for d in dims:
+            out = out.narrow(d, int(offsets[d]), int(sizes[d]))
+        return out.clone()
+
+    return per_coordinate(s.mesh, piece)
 
 
 def _rank_local(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
@@ -332,9 +354,17 @@ def _from_dtensor(dt: torch.distributed.tensor.DTensor) -> Sharded:
     spec = P(*(tuple(e) for e in entries))
     shape = tuple(dt.shape)
     layout = _layout(shape, spec.padded(len(shape)), _sizes_key(mesh))
-    problem = _dtensor_mismatch(layout, mesh, tuple(dt.placements))
-    if problem:
-        raise ValueError("from_dtensor: " + _layout_disagrees(layout, mesh, problem))
+    if _dtensor_mismatch(layout, mesh, tuple(dt.placements)):
+        # DTensor splits these dims' real rows, we split padded blocks: replicate the
+        # multi-axis dims (DTensor's redistribute), convert, then cut our blocks locally.
+        from .sharding import reshard
+
+        multi = {d for d, e in enumerate(entries) if len(e) > 1}
+        replicated = [
+            Replicate() if isinstance(p, (Shard, _StridedShard)) and p.dim in multi else p
+            for p in dt.placements
+        ]
+        return reshard(_from_dtensor(dt.redistribute(dt.device_mesh, replicated)), spec)
     local_real = dt.to_local()
 
     def padded(coord: dict[str, int]) -> torch.Tensor:

@@ -220,30 +220,3 @@ def test_collective_errors(mesh4):
         ff.reduce_scatter(torch.ones(2, 3), mesh4, "dp", dim=1)
     with pytest.raises(ValueError, match=r"all_gather: dim 2 is out of range for a tensor of"):
         ff.all_gather(torch.ones(3), mesh4, "dp", dim=2)
-
-
-def test_to_dtensor_refuses_a_layout_dtensor_cannot_express(mesh4):
-    """DTensor splits the real rows at each level, this library the padded block; for 5 rows on
-    2x2 they differ, and converting must fail rather than return wrong data."""
-    mesh22 = ff.make_mesh({"dp": 2, "tp": 2})
-    for spec, placements in [
-        (P(("tp", "dp")), r"\[_StridedShard\(dim=0, sf=2\), Shard\(dim=0\)\]"),
-        (P(("dp", "tp")), r"\[Shard\(dim=0\), Shard\(dim=0\)\]"),
-    ]:
-        x = ff.shard(torch.ones(5, 3), mesh22, spec)
-        with pytest.raises(
-            ValueError,
-            match=re.escape(
-                f"to_dtensor: shape (5, 3) with {spec} on Mesh(dp=2, tp=2) cannot be expressed "
-                f"as a DTensor: at mesh coordinate "
-            )
-            + r".* under DTensor's placements "
-            + placements
-            + re.escape(
-                ". This library splits the padded block at each level of a dim split over "
-                "several axes, DTensor splits the real rows, and the two differ for this uneven "
-                "size. Make dim 0 (5) a multiple of 4 (pad the tensor), or reshard so that each "
-                "dim is split over at most one axis before converting."
-            ),
-        ):
-            x.to_dtensor()
