@@ -16,6 +16,8 @@ from .collectives import all_reduce as all_reduce
 from .collectives import all_reduce_grad as all_reduce_grad
 from .collectives import count_comms as count_comms
 from .collectives import reduce_scatter as reduce_scatter
+from .debug import describe as describe
+from .debug import visualize as visualize
 from .forward import FSDP as FSDP
 from .forward import MixedPrecision as MixedPrecision
 from .forward import Policy as Policy
@@ -108,6 +110,7 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "count_comms",
+    "describe",
     "find_units",
     "fsdp",
     "gather",
@@ -134,5 +137,6 @@ __all__ = [
     "train_step",
     "tree_leaves",
     "tree_map",
+    "visualize",
     "warmup_cosine_decay_schedule",
 ]
