@@ -16,9 +16,10 @@ parameter, and an all-reduce over the data axes where it is replicated (the grad
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -229,6 +230,7 @@ class _UnitRun:
         self.prefetched: dict[int, torch.Tensor] = {}  # round index -> async all-gather result
         self.freed = False
         self.simulated = is_simulated()
+        self.sync = True  # reduce gradients over the data axes (False inside FSDP.no_sync())
 
     def gather_dtype(self, t: torch.Tensor) -> torch.dtype:
         pd = self.policy.mixed_precision.param_dtype
@@ -362,8 +364,10 @@ class _UnitGather(torch.autograd.Function):
                 numel = math.prod(p.local_shape)
                 current[p.index] = reduced[offset : offset + numel].view(p.local_shape)
                 offset += numel
-        _all_reduce_replicated(current, plan.replicated, mesh)
-        scale = math.prod(sizes[a] for a in run.data_axes) if policy.grad_reduce == "mean" else 1
+        if run.sync:
+            _all_reduce_replicated(current, plan.replicated, mesh)
+        mean = policy.grad_reduce == "mean" and run.sync
+        scale = math.prod(sizes[a] for a in run.data_axes) if mean else 1
         out = []
         for g, dtype in zip(current, ctx.dtypes):
             if g is not None:
@@ -511,10 +515,29 @@ class FSDP:
     wrappers: tuple[tuple[str, ForwardWrapper], ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside the block, :meth:`apply` reduces no gradients over the data axes.
+
+        For gradient accumulation with parameters already gathered over the data axes
+        (``train_step(accumulate_mode="local")`` does this): each rank's gradients stay
+        local and unreduced until the caller reduces them once. Parameters still sharded
+        over a data axis raise, since their gradient could not be returned unreduced.
+        """
+        previous = self._cache.get("sync", True)
+        self._cache["sync"] = False
+        try:
+            yield
+        finally:
+            self._cache["sync"] = previous
+
     def param_specs(self) -> dict[str, P]:
         """``{parameter name: P}`` for the module's parameters (tied ones once)."""
         params = dict(self.module.named_parameters())
-        return dict(zip(params, resolve_specs(params, self.specs)))  # type: ignore[arg-type]
+        # resolve_specs follows optree's leaf order (sorted keys), not the dict's order.
+        paths = optree.tree_paths(params, none_is_leaf=True)  # type: ignore[arg-type]
+        specs = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
+        return {name: specs[name] for name in params}  # type: ignore[misc]
 
     def shard(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, Sharded]:
         """Shard the module's parameters (or ``params``, a ``{name: tensor}`` dict).
@@ -542,6 +565,17 @@ class FSDP:
             name: _UnitRun(plan, self.mesh, self.policy, self.data_axes)
             for name, plan in plans.items()
         }
+        if not self._cache.get("sync", True):
+            for run in runs.values():
+                run.sync = False
+                if run.plan.rounds:
+                    name = run.plan.names[run.plan.rounds[0].pieces[0].index]
+                    raise ValueError(
+                        f"FSDP.no_sync(): params[{name!r}] ({params[name].spec}) is still sharded "
+                        f"over data axis {run.plan.rounds[0].axis!r}, so its gradient cannot stay "
+                        f"unreduced. Gather the data axes first (train_step(accumulate_mode="
+                        f"'local') does), or call apply outside no_sync()."
+                    )
         locals_ = {name: _locals(params, plan) for name, plan in plans.items()}
         order: list[str] = []
         forward_order = self._cache.get("order") or list(self.units)
@@ -593,7 +627,7 @@ class FSDP:
                     accessor.swap_tensors_dict(tensors)
                     if use_ckpt:
                         out = _checkpointed(
-                            original, names, list(tensors.values()), accessor, a, kw
+                            with_wrappers(original), names, list(tensors.values()), accessor, a, kw
                         )
                     else:
                         out = original(*a, **kw)
@@ -605,6 +639,28 @@ class FSDP:
                 return out
 
             return forward
+
+        restored = [False]
+
+        def with_wrappers(fn: Callable[..., Any]) -> Callable[..., Any]:
+            # A checkpointed unit recomputes in backward, after apply has restored the module:
+            # install the forward wrappers (tensor-parallel styles) again around the recompute.
+            def call(*a: Any, **kw: Any) -> Any:
+                if not restored[0] or not self.wrappers:
+                    return fn(*a, **kw)
+                saved = [(modules[p], modules[p].__dict__.get("forward")) for p, _ in self.wrappers]
+                try:
+                    for p, wrapper in self.wrappers:
+                        modules[p].forward = wrapper(modules[p].forward)  # type: ignore[method-assign]
+                    return fn(*a, **kw)
+                finally:
+                    for m, previous in reversed(saved):
+                        if previous is None:
+                            del m.forward
+                        else:
+                            m.forward = previous  # type: ignore[method-assign]
+
+            return call
 
         patched = []
         try:
@@ -632,6 +688,7 @@ class FSDP:
                     del m.forward
                 else:
                     m.forward = previous  # type: ignore[method-assign]
+            restored[0] = True
         self._cache["order"] = list(dict.fromkeys(order))
         if mp.output_dtype is not None:
             out = _cast_floating(out, mp.output_dtype)
