@@ -26,7 +26,15 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any, **kwargs: Any) -> An
 
 
 def tree_leaves(tree: Any, **kwargs: Any) -> list[Any]:
-    """The local tensors (and other leaves) of ``tree``, ``Sharded`` values seen through."""
+    """The local tensors (and other leaves) of ``tree``, ``Sharded`` values seen through.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     tree = {"w": ff.shard(torch.zeros(4, 2), mesh, ff.P("dp")), "step": 3}
+        ...     [getattr(x, "shape", x) for x in ff.tree_leaves(tree)]
+        [3, torch.Size([2, 2])]
+    """
     return optree.tree_leaves(tree, namespace=NAMESPACE, **kwargs)
 
 

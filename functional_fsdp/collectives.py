@@ -46,6 +46,15 @@ class CommRecord:
         bytes: bytes this rank sends in a ring implementation: ``(n-1)/n`` of the gathered
             (all-gather) or input (reduce-scatter) buffer, twice that for all-reduce.
         dtype: element type of the buffer.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 4}) as mesh:
+        ...     with ff.count_comms() as comms:
+        ...         _ = ff.all_reduce(torch.ones(8), mesh, "dp")
+        ...     record = comms.records[0]
+        ...     record.kind, record.axis, record.bytes  # ring all-reduce: 2 * 32 * 3/4
+        ('all_reduce', 'dp', 48)
     """
 
     kind: str
@@ -115,6 +124,17 @@ def count_comms() -> Iterator[CommCounter]:
     """Record every collective this library issues inside the block (nestable).
 
     Backward-pass collectives are recorded too, as long as backward runs inside the block.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     w = ff.shard(torch.ones(4, 4), mesh, ff.P("dp"))
+        ...     with ff.count_comms() as comms:
+        ...         _ = torch.func.grad(lambda w: ff.gather(w).sum())(w)
+        ...     print(comms.summary())  # doctest: +NORMALIZE_WHITESPACE
+        kind axis count bytes
+        all_gather dp 1 32
+        reduce_scatter dp 1 32
     """
     counter = CommCounter()
     token = _COUNTERS.set((*_COUNTERS.get(), counter))

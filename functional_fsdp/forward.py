@@ -51,6 +51,12 @@ class MixedPrecision:
         cast_forward_inputs: cast each unit's floating inputs to ``param_dtype``.
 
     Master shards always keep their own dtype (e.g. fp32); gradients arrive in it.
+
+    Example:
+        >>> import torch
+        >>> bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> Policy(mixed_precision=bf16).mixed_precision.param_dtype
+        torch.bfloat16
     """
 
     param_dtype: torch.dtype | None = None
@@ -74,6 +80,10 @@ class Policy:
         grad_reduce: ``"mean"`` averages gradients over the data-parallel ranks (DDP/FSDP
             semantics: a per-rank mean loss gives the global-batch mean gradient); ``"sum"``
             adds them.
+
+    Example:
+        >>> Policy(reshard_after_forward=False, prefetch=2)  # ZeRO-2, two units ahead
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean')
     """
 
     reshard_after_forward: bool = True
@@ -504,6 +514,14 @@ class FSDP:
         specs: the parameter layout: a ``P``, a ``{name: P}`` dict, or a rule.
         wrappers: ``(module path, wrapper)`` pairs: during :meth:`apply` the submodule's
             ``forward`` is replaced by ``wrapper(forward)`` (tensor-parallel styles use this).
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     sharded_model = ff.fsdp(model, mesh, units=torch.nn.Linear)
+        ...     sharded_model.units, sharded_model.param_specs()["0.weight"]
+        (('0', '1'), P('dp'))
     """
 
     module: nn.Module

@@ -22,7 +22,20 @@ import torch.multiprocessing as mp
 
 
 class WorkerError(RuntimeError):
-    """A function failed (or timed out) on one or more ranks of a :class:`ProcessPool`."""
+    """A function failed (or timed out) on one or more ranks of a :class:`ProcessPool`.
+
+    The message holds every failing rank's traceback; the pool is closed afterwards.
+
+    Example:
+        >>> def fails():
+        ...     raise ValueError("bad input")
+        >>> ff.launch(fails, 2)  # doctest: +SKIP
+        Traceback (most recent call last):
+        WorkerError: fails failed:
+        --- rank 0 ---
+        ValueError: bad input
+        ...
+    """
 
 
 def _free_port() -> int:

@@ -16,7 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class Axis(str, enum.Enum):
-    """Conventional mesh-axis names. Any string works; these keep scripts consistent."""
+    """Conventional mesh-axis names. Any string works; these keep scripts consistent.
+
+    Example:
+        >>> from functional_fsdp import P
+        >>> P(Axis.TP, Axis.DP)
+        P('tp', 'dp')
+    """
 
     DP = "dp"
     """Data parallel: shards parameters (FSDP) or replicates them (DDP)."""
@@ -120,7 +126,14 @@ def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
-    """The size of one named axis."""
+    """The size of one named axis.
+
+    Example:
+        >>> import functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2, "tp": 4}) as mesh:
+        ...     ff.axis_size(mesh, "tp")
+        4
+    """
     return axis_sizes(mesh)[axis]
 
 

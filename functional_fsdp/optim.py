@@ -55,13 +55,27 @@ Mask = Any  # a pytree of bools matching Params (or a prefix), or a predicate fn
 
 
 class TransformInitFn(Protocol):
-    """``init(params) -> state``."""
+    """``init(params) -> state``.
+
+    Example:
+        >>> import torch
+        >>> state = scale_by_adam().init({"w": torch.zeros(2)})  # a TransformInitFn call
+        >>> state.count
+        0
+    """
 
     def __call__(self, params: Params) -> OptState: ...
 
 
 class TransformUpdateFn(Protocol):
-    """``update(updates, state, params=None) -> (new_updates, new_state)``."""
+    """``update(updates, state, params=None) -> (new_updates, new_state)``.
+
+    Example:
+        >>> import torch
+        >>> updates, state = scale(2.0).update({"w": torch.ones(1)}, EmptyState())
+        >>> updates
+        {'w': tensor([2.])}
+    """
 
     def __call__(
         self, updates: Updates, state: OptState, params: Params | None = None
@@ -70,31 +84,79 @@ class TransformUpdateFn(Protocol):
 
 class GradientTransformation(NamedTuple):
     """A pair of pure functions: ``init(params) -> state`` and ``update(updates, state,
-    params=None) -> (updates, state)``. Neither mutates its inputs."""
+    params=None) -> (updates, state)``. Neither mutates its inputs.
+
+    Example:
+        >>> import torch
+        >>> def init(params):
+        ...     return EmptyState()
+        >>> def update(updates, state, params=None):
+        ...     return {k: -0.1 * g for k, g in updates.items()}, state
+        >>> my_sgd = GradientTransformation(init, update)
+        >>> my_sgd.update({"w": torch.ones(1)}, my_sgd.init(None))[0]
+        {'w': tensor([-0.1000])}
+    """
 
     init: TransformInitFn
     update: TransformUpdateFn
 
 
 class EmptyState(NamedTuple):
-    """The state of a stateless transformation."""
+    """The state of a stateless transformation.
+
+    Example:
+        >>> scale(2.0).init(None)
+        EmptyState()
+    """
 
 
 class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule` (and a scheduled learning rate).
+
+    Example:
+        >>> scale_by_schedule(lambda step: 0.1).init(None)
+        ScaleByScheduleState(count=0)
+    """
+
     count: int  # updates applied so far; a Python int, so schedules run on the host
 
 
 class TraceState(NamedTuple):
+    """State of :func:`trace` (momentum).
+
+    Example:
+        >>> import torch
+        >>> trace(0.9).init({"w": torch.ones(2)})
+        TraceState(trace={'w': tensor([0., 0.])})
+    """
+
     trace: Any  # like params (same shapes, dtypes, specs): the momentum buffer
 
 
 class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    Example:
+        >>> import torch
+        >>> scale_by_adam().init({"w": torch.ones(1)})
+        ScaleByAdamState(count=0, mu={'w': tensor([0.])}, nu={'w': tensor([0.])})
+    """
+
     count: int  # updates applied so far; a Python int (bias corrections run on the host)
     mu: Any  # like params (same shapes, dtypes, specs): first moment, torch's exp_avg
     nu: Any  # like params: second moment, torch's exp_avg_sq
 
 
 class MaskedState(NamedTuple):
+    """State of :func:`masked`: the inner state over the selected leaves only.
+
+    Example:
+        >>> import torch
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> masked(trace(0.9), {"w": True, "b": False}).init(params)
+        MaskedState(inner_state=TraceState(trace={'w': tensor([0., 0.]), 'b': None}))
+    """
+
     inner_state: Any  # the inner transformation's state over the masked leaves only
 
 

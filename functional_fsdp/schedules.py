@@ -16,7 +16,15 @@ from typing import Protocol
 
 
 class Schedule(Protocol):
-    """A function from the step count (updates applied so far) to a value, e.g. the lr."""
+    """A function from the step count (updates applied so far) to a value, e.g. the lr.
+
+    Any callable ``fn(count) -> float`` is a schedule.
+
+    Example:
+        >>> warmup = linear_schedule(0.0, 1e-3, 10)
+        >>> warmup(5)
+        0.0005
+    """
 
     def __call__(self, count: int) -> float: ...
 

@@ -33,7 +33,14 @@ def _local_tensor_module() -> Any:
 
 
 def is_simulated() -> bool:
-    """True inside :func:`simulated_mesh`."""
+    """True inside :func:`simulated_mesh`.
+
+    Example:
+        >>> import functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}):
+        ...     ff.is_simulated()
+        True
+    """
     if not dist.is_available():
         return False
     try:
@@ -103,6 +110,13 @@ def rank_values(t: torch.Tensor) -> list[torch.Tensor]:
     """The per-rank values of a tensor on a simulated mesh, in rank order.
 
     Outside a simulation (or for a value that is the same on every rank) it returns ``[t]``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     x = ff.shard(torch.tensor([1.0, 2.0]), mesh, ff.P("dp")).local
+        ...     [t.tolist() for t in ff.rank_values(x)]
+        [[1.0], [2.0]]
     """
     local_tensors = getattr(t, "_local_tensors", None)
     if local_tensors is None:

@@ -34,7 +34,19 @@ Metrics = dict[str, float | torch.Tensor]
 
 
 class DonatedStateError(RuntimeError):
-    """A ``TrainState`` was used after ``train_step(donate=True)`` consumed its buffers."""
+    """A ``TrainState`` was used after ``train_step(donate=True)`` consumed its buffers.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> opt = ff.sgd(0.1)
+        >>> step = ff.train_step(lambda p, b: (p["w"] * b).sum(), opt, batch="local", donate=True)
+        >>> old = ff.TrainState.create({"w": torch.ones(2)}, opt)
+        >>> new, _ = step(old, torch.ones(2))
+        >>> old.params
+        Traceback (most recent call last):
+        ...
+        functional_fsdp.train.DonatedStateError: this TrainState was donated to a train_step(donate=True) call at step 0: its buffers now hold the next state. Use the state that call returned, or build the step with donate=False to keep old states.
+    """
 
 
 class TrainState:
