@@ -5,6 +5,7 @@ data (a :class:`P` per tensor), and ``shard``/``gather``/``reshard`` move values
 layouts with explicit, differentiable collectives.
 """
 
+from . import checkpoint as checkpoint
 from ._tree import tree_leaves as tree_leaves
 from ._tree import tree_map as tree_map
 from .clipping import clip_by_global_norm as clip_by_global_norm
@@ -106,6 +107,7 @@ __all__ = [
     "axis_size",
     "axis_sizes",
     "chain",
+    "checkpoint",
     "clip_by_global_norm",
     "constant_schedule",
     "cosine_decay_schedule",

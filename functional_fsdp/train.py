@@ -117,15 +117,15 @@ class TrainState:
         return f"TrainState(step={self._step}, local parameter elements={n})"
 
 
-def _flatten_state(s: TrainState) -> tuple[tuple[Any, Any], int, tuple[str, str]]:
+def _flatten_state(s: TrainState) -> tuple[tuple[Any, Any, int], None, tuple[str, str, str]]:
     s._alive()
-    return (s._params, s._opt_state), s._step, ("params", "opt_state")
+    return (s._params, s._opt_state, s._step), None, ("params", "opt_state", "step")
 
 
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
-    lambda step, children: TrainState(children[0], children[1], step),
+    lambda _, children: TrainState(*children),
     namespace=NAMESPACE,
 )
 
