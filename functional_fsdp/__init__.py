@@ -68,6 +68,22 @@ from .simulate import rank_values as rank_values
 from .simulate import simulated_mesh as simulated_mesh
 from .spec import Layout as Layout
 from .spec import P as P
+from .tp import TensorParallel as TensorParallel
+from .tp import gpt_plan as gpt_plan
+from .tp import tensor_parallel as tensor_parallel
+from .tp_ops import copy_to as copy_to
+from .tp_ops import gather_from as gather_from
+from .tp_ops import reduce_from as reduce_from
+from .tp_ops import scatter_to as scatter_to
+from .tp_ops import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
+from .tp_ops import vocab_parallel_embedding as vocab_parallel_embedding
+from .tp_styles import ColwiseParallel as ColwiseParallel
+from .tp_styles import PrepareInput as PrepareInput
+from .tp_styles import RowwiseParallel as RowwiseParallel
+from .tp_styles import ScatterOutput as ScatterOutput
+from .tp_styles import SequenceParallel as SequenceParallel
+from .tp_styles import Style as Style
+from .tp_styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .train import DonatedStateError as DonatedStateError
 from .train import TrainState as TrainState
 from .train import train_step as train_step
@@ -77,6 +93,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FSDP",
     "Axis",
+    "ColwiseParallel",
     "CommCounter",
     "CommRecord",
     "DonatedStateError",
@@ -87,15 +104,22 @@ __all__ = [
     "MixedPrecision",
     "P",
     "Policy",
+    "PrepareInput",
     "ProcessPool",
+    "RowwiseParallel",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "ScatterOutput",
     "Schedule",
+    "SequenceParallel",
     "Sharded",
+    "Style",
+    "TensorParallel",
     "TraceState",
     "TrainState",
     "TransformInitFn",
     "TransformUpdateFn",
+    "VocabParallelEmbedding",
     "WorkerError",
     "adam",
     "adamw",
@@ -110,13 +134,16 @@ __all__ = [
     "checkpoint",
     "clip_by_global_norm",
     "constant_schedule",
+    "copy_to",
     "cosine_decay_schedule",
     "count_comms",
     "describe",
     "find_units",
     "fsdp",
     "gather",
+    "gather_from",
     "global_norm",
+    "gpt_plan",
     "identity",
     "init_distributed",
     "is_simulated",
@@ -126,19 +153,24 @@ __all__ = [
     "make_mesh",
     "masked",
     "rank_values",
+    "reduce_from",
     "reduce_scatter",
     "reshard",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "scatter_to",
     "sgd",
     "shard",
     "simulated_mesh",
+    "tensor_parallel",
     "trace",
     "train_step",
     "tree_leaves",
     "tree_map",
     "visualize",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
     "warmup_cosine_decay_schedule",
 ]

@@ -5,6 +5,10 @@ other leaves as they are. ``load`` reads into the layout of a template tree — 
 freshly initialised state on the new mesh — so a checkpoint written by 2 ranks with
 ``P("dp")`` loads on 4 ranks, on a 2-D mesh, or on one process. Both are collective calls:
 every rank of the mesh must call them.
+
+Example:
+    >>> ff.checkpoint.save("ckpt/step_100", state)  # doctest: +SKIP
+    >>> state = ff.checkpoint.load("ckpt/step_100", fresh_state_on_another_mesh)  # doctest: +SKIP
 """
 
 from __future__ import annotations
