@@ -198,7 +198,9 @@ def test_donation_is_bitwise_pure_and_lowers_peak_memory(make_opt):
         results[donate] = box["out"]
     for a, b in zip(ff.tree_leaves(results[False].params), ff.tree_leaves(results[True].params)):
         assert torch.equal(a, b)
-    for a, b in zip(ff.tree_leaves(results[False].opt_state), ff.tree_leaves(results[True].opt_state)):
+    for a, b in zip(
+        ff.tree_leaves(results[False].opt_state), ff.tree_leaves(results[True].opt_state)
+    ):
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b)
     param_bytes = sum(v.numel() * 4 for v in init.values())
     # Pure keeps old and new params and optimizer state alive together; donation does not.
