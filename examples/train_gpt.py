@@ -13,11 +13,11 @@ step keeps each rank's share, so the loss is the global-batch mean.
 from __future__ import annotations
 
 import argparse
-import pydoc_data.topics
 import time
 
 import torch
 import torch.distributed as dist
+from chardata import load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
@@ -46,19 +46,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def load_text() -> tuple[torch.Tensor, list[str]]:
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), chars
-
-
-def parse_mesh(spec: str | None, world: int) -> dict[str, int]:
-    if not spec:
-        return {"dp": world}
-    return {name: int(size) for name, size in (part.split("=") for part in spec.split(","))}
-
-
 def main() -> None:
     args = parse_args()
     ff.init_distributed()
@@ -74,7 +61,7 @@ def main() -> None:
         n_embd=args.width,
     )
     model = GPT(cfg)
-    mesh = ff.make_mesh(parse_mesh(args.mesh, world))
+    mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}))
     bf16 = args.mixed_precision == "bf16"
     policy = ff.Policy(
         reshard_after_forward=args.strategy != "zero2",
@@ -116,10 +103,7 @@ def main() -> None:
     )
     start = time.perf_counter()
     for i in bar:
-        starts = torch.randint(
-            0, len(data) - args.block_size - 1, (args.batch_size,), generator=gen
-        )
-        batch = torch.stack([data[s : s + args.block_size + 1] for s in starts.tolist()])
+        batch = random_batch(data, args.batch_size, args.block_size, gen)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         tok_s = tokens_per_step * (i + 1) / (time.perf_counter() - start)

@@ -15,11 +15,11 @@ FSDP shards every parameter's TP-local block over "dp" on top. Ranks that differ
 from __future__ import annotations
 
 import argparse
-import pydoc_data.topics
 import time
 
 import torch
 import torch.distributed as dist
+from chardata import load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
@@ -43,26 +43,14 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def load_text() -> tuple[torch.Tensor, list[str]]:
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), chars
-
-
-def parse_mesh(spec: str | None, world: int) -> dict[str, int]:
-    if not spec:
-        tp = 2 if world % 2 == 0 else 1
-        return {"dp": world // tp, "tp": tp}
-    return {name: int(size) for name, size in (part.split("=") for part in spec.split(","))}
-
-
 def main() -> None:
     args = parse_args()
     ff.init_distributed()
     rank = dist.get_rank()
     data, chars = load_text()
-    mesh = ff.make_mesh(parse_mesh(args.mesh, dist.get_world_size()))
+    world = dist.get_world_size()
+    tp = 2 if world % 2 == 0 else 1
+    mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world // tp, "tp": tp}))
     tp_size = ff.axis_size(mesh, "tp")
 
     torch.manual_seed(args.seed)  # the same initial model on every rank
@@ -117,10 +105,7 @@ def main() -> None:
     bar = tqdm(range(args.steps), disable=rank != 0, desc=desc)
     start = time.perf_counter()
     for i in bar:
-        starts = torch.randint(
-            0, len(data) - args.block_size - 1, (args.batch_size,), generator=gen
-        )
-        batch = torch.stack([data[s : s + args.block_size + 1] for s in starts.tolist()])
+        batch = random_batch(data, args.batch_size, args.block_size, gen)
         if i == args.steps - 1:
             with ff.count_comms() as comms:
                 state, metrics = step(state, batch)

@@ -34,14 +34,14 @@ def batches(n: int = STEPS, size: int = 8) -> list[torch.Tensor]:
     return [torch.randint(0, CFG.vocab_size, (size, 13), generator=g) for _ in range(n)]
 
 
-def reference_trajectory() -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_trajectory(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, full global batch, ff.adamw on plain tensors."""
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = ff.adamw(LR, **OPT)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state, losses = opt.init(params), []
-    for b in batches():
+    for b in batches(steps):
         grads, loss = torch.func.grad_and_value(
             lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])
         )(params)

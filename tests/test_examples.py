@@ -60,3 +60,12 @@ def test_shard_gather_demo():
     out = _torchrun("examples/shard_gather_demo.py")
     assert "shard -> gather is exact: True" in out
     assert re.search(r"all_gather\s+dp\s+6\s", out) and re.search(r"reduce_scatter\s+dp\s+3\s", out)
+
+
+def test_train_gpt_2d_loss_falls():
+    out = _torchrun(
+        "examples/train_gpt_2d.py", "--steps", "20", "--layers", "1", "--width", "64", nproc=4
+    )
+    first, last = map(float, re.search(r"loss: first ([\d.]+), last ([\d.]+)", out).groups())
+    assert last < first - 0.5, out
+    assert re.search(r"all_reduce\s+tp\s+\d+", out)

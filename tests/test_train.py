@@ -32,25 +32,9 @@ def _simulated_strategy(name: str, steps: int = 4):
     return losses, params
 
 
-def _reference_at(steps: int):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = ff.adamw(T.LR, **T.OPT)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state, losses = opt.init(params), []
-    for b in T.batches(steps):
-        grads, loss = torch.func.grad_and_value(
-            lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])
-        )(params)
-        updates, state = opt.update(grads, state, params)
-        params = ff.apply_updates(params, updates)
-        losses.append(loss.item())
-    return losses, params
-
-
 @pytest.mark.parametrize("name", list(T.STRATEGIES))
 def test_strategy_matches_single_process_simulated(name):
-    ref_losses, ref_params = _reference_at(4)
+    ref_losses, ref_params = T.reference_trajectory(4)
     losses, params = _simulated_strategy(name)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     for k in ref_params:
