@@ -58,6 +58,8 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     try:
         while True:
