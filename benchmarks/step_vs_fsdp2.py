@@ -1,31 +1,95 @@
 """One GPT training step (forward, backward, SGD update): functional_fsdp vs torch FSDP2.
 
-Both run in the same processes on the same model, batch and mesh, alternating step by step
-so machine noise hits them alike. Prints the median step time and the ratio, the bytes each
-rank communicates per step, and the peak process memory.
+The library's step (under ``torch.func.grad_and_value``, and under plain ``loss.backward()``)
+and torch FSDP2's run in the same processes on the same model, batch and mesh, in rotation
+step by step (each in every position) so that machine noise hits them alike. Prints, as a
+Markdown table ready for the README: the median step time and the ratio, the collectives and
+bytes each rank sends per step, and the peak memory a step adds on top of the resting process.
 
-    torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py [--steps 20] [--layers 4] [--width 256]
+    torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py [--steps 30] [--layers 4] [--width 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import resource
+import ctypes
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
+# Ring-algorithm bytes a rank sends, as a fraction of the buffer: matches ff.count_comms.
+_C10D_KINDS = {
+    "_allgather_base_": ("all_gather", 1, 0),  # output buffer
+    "allgather_into_tensor_coalesced_": ("all_gather", 1, 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 1),  # input buffer
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1),
+    "allreduce_": ("all_reduce", 2, 0),
+}
+
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class _CountC10d(TorchDispatchMode):
+    """Count the c10d collectives torch FSDP2 issues, with the bytes of a ring algorithm."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world = world
+        self.counts: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name.split("::")[-1]
+        if func.namespace == "c10d" and name in _C10D_KINDS:
+            kind, factor, arg = _C10D_KINDS[name]
+            tensors = args[arg] if isinstance(args[arg], list) else [args[arg]]
+            tensors = [t for x in tensors for t in (x if isinstance(x, list) else [x])]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            entry = self.counts.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += factor * nbytes * (self.world - 1) // self.world
+        return func(*args, **(kwargs or {}))
+
+
+def _rss_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    return float("nan")  # pragma: no cover - not Linux
+
+
+def _step_peak_mib(step: Callable[[], None]) -> float:
+    """Peak resident memory one step adds on top of the process before it (Linux only).
+
+    Allocations of 64 KiB and more are served by mmap, so freed memory leaves the process at
+    once and the resident set follows the live tensors; the high-water mark is reset first.
+    """
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)  # hand back the heap's free memory, so that reuse shows as growth
+    dist.barrier()
+    before = _rss_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident set
+    step()
+    return _rss_mib("VmHWM") - before
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
@@ -42,71 +106,151 @@ def main() -> None:
     mesh = ff.make_mesh({"dp": world})
     lr = 1e-3
 
-    # functional_fsdp: a pure step over Sharded params.
+    # functional_fsdp: a pure step over Sharded params, with the library's optimizer.
     sharded_model = ff.fsdp(model, mesh)
-    params = sharded_model.shard()
+    state: dict[str, Any] = {"params": sharded_model.shard()}
+    opt = ff.sgd(lr)
+    state["opt"] = opt.init(state["params"])
 
-    def ours_step(params, x, y):
-        grads, loss = torch.func.grad_and_value(lambda p: lm_loss(sharded_model.apply(p, x), y))(
+    def ours_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        params = state["params"]
+        grads, _loss = torch.func.grad_and_value(lambda p: lm_loss(sharded_model.apply(p, x), y))(
             params
         )
-        new = {k: v.replace(v.local - lr * grads[k].local) for k, v in params.items()}
-        return new, loss
+        updates, state["opt"] = opt.update(grads, state["opt"], params)
+        state["params"] = ff.apply_updates(params, updates)
 
-    # torch FSDP2 on a copy of the same model.
+    def ours_autograd_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        # The same library under plain autograd: leaves that require grad, loss.backward().
+        params = state["params"]
+        leaves = {k: v.local.detach().requires_grad_() for k, v in params.items()}
+        lm_loss(
+            sharded_model.apply({k: v.replace(leaves[k]) for k, v in params.items()}, x), y
+        ).backward()
+        grads = {k: v.replace(leaves[k].grad) for k, v in params.items()}
+        updates, state["opt"] = opt.update(grads, state["opt"], params)
+        state["params"] = ff.apply_updates(params, updates)
+
+    # torch FSDP2 on a copy of the same model, one unit per block plus the root.
     ref = copy.deepcopy(model)
     for block in ref.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(ref, mesh=mesh)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    torch_opt = torch.optim.SGD(ref.parameters(), lr=lr)
 
-    def fsdp2_step(x, y):
-        loss = lm_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    def fsdp2_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        lm_loss(ref(x), y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
 
+    systems = {
+        "functional_fsdp (torch.func)": ours_step,
+        "functional_fsdp (autograd)": ours_autograd_step,
+        "torch FSDP2": fsdp2_step,
+    }
     g = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {"functional_fsdp": [], "torch FSDP2": []}
-    for step in range(args.steps + 2):
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-        x, y = idx[:, :-1], idx[:, 1:]
-        for name in times:
+        return idx[:, :-1], idx[:, 1:]
+
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for step in range(args.steps + 2):
+        x, y = batch()
+        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        for name in order:
             dist.barrier()
             t0 = time.perf_counter()
-            if name == "functional_fsdp":
-                with ff.count_comms() as comms:
-                    params, _loss = ours_step(params, x, y)
-            else:
-                fsdp2_step(x, y)
+            systems[name](x, y)
             dist.barrier()
             if step >= 2:  # warm-up
                 times[name].append(time.perf_counter() - t0)
 
-    psi = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # Collectives per step, then memory per step (after the timing: mmap-only allocation).
+    x, y = batch()
+    comms: dict[str, dict[str, list[int]]] = {}
+    for name, fn in systems.items():
+        if name == "torch FSDP2":
+            counting = _CountC10d(world)
+            with counting:
+                fn(x, y)
+            comms[name] = counting.counts
+        else:
+            with ff.count_comms() as counter:
+                fn(x, y)
+            comms[name] = {k: [counter.count(k), counter.bytes(k)] for k in _KINDS}
+    peak = {name: _step_peak_mib(lambda f=fn: f(x, y)) for name, fn in systems.items()}
+
     if rank == 0:
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(
-            f"GPT {args.layers} layers, width {args.width}, {psi / 2**20:.1f} MiB of fp32 params, "
-            f"{world} ranks (gloo), batch {args.batch}x{args.seq} per rank, {args.steps} steps"
-        )
-        print(f"{'system':<18}{'median step ms':>16}")
-        for k, v in med.items():
-            print(f"{k:<18}{v:>16.1f}")
-        print(
-            f"step-time ratio functional_fsdp / FSDP2: {med['functional_fsdp'] / med['torch FSDP2']:.3f}"
-        )
-        print("functional_fsdp bytes per rank per step:")
-        print(comms.summary())
-        print(
-            f"expected all-gather 2Ψ(N-1)/N = {2 * psi * (world - 1) // world:,}, "
-            f"reduce-scatter Ψ(N-1)/N = {psi * (world - 1) // world:,}"
-        )
-        print(f"peak RSS of rank 0 (both systems in one process): {peak_mb:.0f} MiB")
+        _report(args, cfg, model, world, times, comms, peak)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _report(
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    model: torch.nn.Module,
+    world: int,
+    times: dict[str, list[float]],
+    comms: dict[str, dict[str, list[int]]],
+    peak: dict[str, float],
+) -> None:
+    psi = sum(p.numel() * p.element_size() for p in model.parameters())
+    names = list(times)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    quart = {k: statistics.quantiles(v, n=4) for k, v in times.items()}
+    rows: list[list[str]] = [["per rank, per step", *names]]
+
+    def row(label: str, fn: Callable[[str], str]) -> None:
+        rows.append([label, *(fn(n) for n in names)])
+
+    row("median step time (ms)", lambda n: f"{med[n]:.1f}")
+    row("interquartile range (ms)", lambda n: f"{quart[n][0] * 1e3:.0f} – {quart[n][2] * 1e3:.0f}")
+    row("step time / torch FSDP2", lambda n: f"{med[n] / med['torch FSDP2']:.3f}")
+    for kind in _KINDS:
+        if any(comms[n].get(kind, [0, 0])[0] for n in names):
+            count = {n: comms[n].get(kind, [0, 0]) for n in names}
+            row(
+                f"{kind.replace('_', '-')}s: count, MiB sent",
+                lambda n, c=count: f"{c[n][0]}, {c[n][1] / 2**20:.2f}",  # type: ignore[misc]
+            )
+    row("peak memory added by a step (MiB)", lambda n: f"{peak[n]:.1f}")
+    print(
+        f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}, "
+        f"{psi / 2**20:.1f} MiB of fp32 parameters (Ψ); {world} ranks (gloo, CPU, "
+        f"{torch.get_num_threads()} thread each); batch {args.batch}×{args.seq} per rank; "
+        f"median of {args.steps} steps, taken in rotation.\n"
+    )
+    print(_markdown(rows))
+    print(
+        f"\nBytes are those a rank sends in a ring algorithm. Full sharding expects "
+        f"all-gather 2Ψ(N-1)/N = {2 * psi * (world - 1) / world / 2**20:.2f} MiB and "
+        f"reduce-scatter Ψ(N-1)/N = {psi * (world - 1) / world / 2**20:.2f} MiB; torch FSDP2 "
+        f"keeps the root unit gathered between forward and backward.\n"
+        f"Command: torchrun --nproc-per-node {world} benchmarks/step_vs_fsdp2.py "
+        + " ".join(sys.argv[1:])
+    )
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    """A GitHub Markdown table, columns padded; the first column left-aligned, others right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "|"
+        + "|".join(
+            ":" + "-" * (w + 1) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)
+        )
+        + "|"
+    )
+    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:])])
 
 
 if __name__ == "__main__":

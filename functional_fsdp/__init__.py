@@ -27,6 +27,9 @@ from .forward import fsdp as fsdp
 from .launch import ProcessPool as ProcessPool
 from .launch import WorkerError as WorkerError
 from .launch import launch as launch
+from .memory import MemoryEvent as MemoryEvent
+from .memory import MemoryTracker as MemoryTracker
+from .memory import track_memory as track_memory
 from .mesh import Axis as Axis
 from .mesh import axis_size as axis_size
 from .mesh import axis_sizes as axis_sizes
@@ -101,6 +104,8 @@ __all__ = [
     "GradientTransformation",
     "Layout",
     "MaskedState",
+    "MemoryEvent",
+    "MemoryTracker",
     "MixedPrecision",
     "P",
     "Policy",
@@ -166,6 +171,7 @@ __all__ = [
     "simulated_mesh",
     "tensor_parallel",
     "trace",
+    "track_memory",
     "train_step",
     "tree_leaves",
     "tree_map",

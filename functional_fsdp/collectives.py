@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -211,7 +212,7 @@ def raw_reduce_scatter(
 ) -> torch.Tensor:
     """Reduce ``x`` (shape ``[size(axis), *rest]``) over ``axis`` and keep row ``index(axis)``.
 
-    Not differentiable; returns an async tensor that waits on first use.
+    Not differentiable; the result may be an async tensor that waits on first use.
     """
     n = axis_sizes(mesh)[axis]
     if x.shape[0] != n:
@@ -221,14 +222,60 @@ def raw_reduce_scatter(
     else:
         x = _contiguous(x)
         _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
+        ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
         with torch.no_grad():
-            out = _issued(
-                torch.ops._c10d_functional.reduce_scatter_tensor(
-                    x.reshape(-1), "sum", n, _group_name(mesh, axis)
-                )
-            )
-        out = out.view(x.shape[1:])
+            if _direct_reduce_scatter(mesh, axis):  # see raw_reduce_scatter_start
+                rows = [x[0].numel()] * n
+                received = ops.all_to_all_single(x.reshape(-1), rows, rows, group)
+                out = wait(_issued(received)).view(x.shape).sum(0)
+            else:
+                out = _issued(ops.reduce_scatter_tensor(x.reshape(-1), "sum", n, group))
+                out = out.view(x.shape[1:])
     return out / n if op == "mean" else out
+
+
+def raw_reduce_scatter_start(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Start a sum reduce-scatter of ``x`` (``[size(axis), *rest]``); return ``(out, finish)``.
+
+    ``out`` holds the result only after ``finish()`` (call it exactly once; it blocks until
+    the collective is done). For callers that overlap the collective with other work and hand
+    ``out`` on before it is ready. Not differentiable; pass plain tensors.
+    """
+    n = axis_sizes(mesh)[axis]
+    if x.shape[0] != n:
+        raise ValueError(f"reduce_scatter over {axis!r} needs a leading dim of {n}, got {x.shape}")
+    if n == 1:
+        return x[0], lambda: None
+    x = _contiguous(x)
+    _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
+    ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
+    with torch.no_grad():
+        if not _direct_reduce_scatter(mesh, axis):
+            raw = ops.reduce_scatter_tensor(x.reshape(-1), "sum", n, group)
+
+            def wait_raw() -> None:
+                ops.wait_tensor(raw)
+
+            return raw.view(x.shape[1:]), wait_raw
+        # gloo has no reduce-scatter of its own: it all-reduces a copy of the whole input
+        # (twice the traffic). An all-to-all and a local sum send (n-1)/n of it once.
+        rows = [x[0].numel()] * n
+        received = ops.all_to_all_single(x.reshape(-1), rows, rows, group)
+        out = x.new_empty(x.shape[1:])
+
+    def finish() -> None:
+        with torch.no_grad():
+            ops.wait_tensor(received)
+            torch.sum(received.view(n, -1), dim=0, out=out.view(-1))
+
+    return out, finish
+
+
+def _direct_reduce_scatter(mesh: DeviceMesh, axis: str) -> bool:
+    """gloo lacks a reduce-scatter of its own (see :func:`raw_reduce_scatter_start`)."""
+    return dist.get_backend(_group(mesh, axis)) == "gloo"
 
 
 def raw_all_reduce(

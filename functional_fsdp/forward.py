@@ -12,6 +12,11 @@ the gathered storage is freed after the unit, and gathered again in place when b
 reaches the unit (FSDP2's approach, which works under ``torch.func`` where saved-tensor hooks
 do not). In backward: one bucketed reduce-scatter per unit over the data axes that shard a
 parameter, and an all-reduce over the data axes where it is replicated (the gradient rule).
+On real processes a unit's reduce-scatter stays in flight while the next unit computes its
+backward. A unit called twice in one forward is gathered (and reduced) once per call.
+
+:func:`~functional_fsdp.memory.track_memory` shows which units' full parameters are alive
+at every step of this; ``count_comms`` shows the collectives.
 """
 
 from __future__ import annotations
@@ -29,7 +34,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from . import collectives as C
+from ._units import (
+    Call,
+    InFlight,
+    ReduceFence,
+    Unit,
+    UnitGather,
+    UnitPlan,
+    attach_pre_backward,
+    cast_floating,
+    checkpointed,
+    plan_rounds,
+)
+from .memory import Phase, active_trackers
 from .mesh import axis_names, axis_sizes
 from .sharded import Sharded
 from .sharding import Specs, resolve_specs, shard
@@ -147,347 +164,6 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
     return chosen
 
 
-# --------------------------------------------------------------------------- gather plans
-
-
-@dataclass(frozen=True)
-class _Piece:
-    index: int  # position in the unit's parameter list
-    local_shape: tuple[int, ...]
-    dim: int
-    gathered_len: int
-
-
-@dataclass(frozen=True)
-class _Round:
-    """One bucketed all-gather: ``axis`` out of the listed parameters, all of one dtype."""
-
-    axis: str
-    dtype: torch.dtype
-    pieces: tuple[_Piece, ...]
-    first: bool  # every input is a shard (not the output of an earlier round): prefetchable
-
-
-@dataclass(frozen=True)
-class _UnitPlan:
-    name: str
-    names: tuple[str, ...]  # parameter names (first alias)
-    aliases: tuple[tuple[str, ...], ...]  # every name of each parameter (tied weights)
-    values: tuple[Sharded, ...]  # layouts only (the locals are not used)
-    rounds: tuple[_Round, ...]
-    replicated: tuple[tuple[str, ...], ...]  # per parameter: data axes it is replicated over
-    frozen: tuple[bool, ...]
-
-
-def _plan_rounds(
-    values: Sequence[Sharded], data_axes: Sequence[str], gather_dtypes: Sequence[torch.dtype]
-) -> tuple[_Round, ...]:
-    layouts = [v.layout for v in values]
-    remaining = [[a for a in v.spec.axes if a in data_axes] for v in values]
-    touched = [False] * len(values)
-    rounds: list[_Round] = []
-    names = axis_names(values[0].mesh) if values else ()
-    while True:
-        ready: dict[str, list[int]] = {}
-        for i, lay in enumerate(layouts):
-            for dim in range(len(lay.global_shape)):
-                entry = lay.spec.entry(dim)
-                if entry and entry[-1] in remaining[i]:
-                    ready.setdefault(entry[-1], []).append(i)
-        if not ready:
-            break
-        axis = max(ready, key=lambda a: (len(ready[a]), -names.index(a)))
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in ready[axis]:
-            by_dtype.setdefault(gather_dtypes[i], []).append(i)
-        for dtype, idx in by_dtype.items():
-            pieces = []
-            for i in idx:
-                lay = layouts[i]
-                dim = lay.spec.dim_of(axis)
-                assert dim is not None
-                pieces.append(_Piece(i, lay.local_shape, dim, lay.block_sizes(dim)[-2]))
-            rounds.append(_Round(axis, dtype, tuple(pieces), not any(touched[i] for i in idx)))
-        for i in ready[axis]:
-            layouts[i] = layouts[i].gathered(axis)
-            remaining[i].remove(axis)
-            touched[i] = True
-    return tuple(rounds)
-
-
-# --------------------------------------------------------------------------- per-call state
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under any ``torch.func`` wrappers (for communication outside autograd)."""
-    func = torch._C._functorch
-    while func.is_functorch_wrapped_tensor(t):
-        t = func.get_unwrapped(t)
-    return t
-
-
-class _UnitRun:
-    """A unit's mutable state during one ``apply`` call (never shared between calls)."""
-
-    def __init__(
-        self, plan: _UnitPlan, mesh: DeviceMesh, policy: Policy, data_axes: tuple[str, ...]
-    ):
-        self.plan, self.mesh, self.policy, self.data_axes = plan, mesh, policy, data_axes
-        self.shards: list[torch.Tensor] = []  # plain local shards (set in gather)
-        self.gathered: list[torch.Tensor] = []  # plain gathered tensors (outputs of the gather)
-        self.owned: list[bool] = []  # gathered[i] owns a storage we may free
-        self.nbytes: list[int] = []
-        self.prefetched: dict[int, torch.Tensor] = {}  # round index -> async all-gather result
-        self.freed = False
-        self.simulated = is_simulated()
-        self.sync = True  # reduce gradients over the data axes (False inside FSDP.no_sync())
-
-    def gather_dtype(self, t: torch.Tensor) -> torch.dtype:
-        pd = self.policy.mixed_precision.param_dtype
-        return pd if pd is not None and t.is_floating_point() else t.dtype
-
-    def prefetch(self, shards: Sequence[torch.Tensor]) -> None:
-        """Issue the first-round all-gathers asynchronously (no wait)."""
-        if self.prefetched or (self.gathered and not self.freed):
-            return
-        plain = [_plain(s) for s in shards]
-        with torch.no_grad():
-            for r, rnd in enumerate(self.plan.rounds):
-                if rnd.first:
-                    self.prefetched[r] = self._issue(
-                        rnd, [plain[p.index].to(rnd.dtype) for p in rnd.pieces]
-                    )
-
-    def _issue(self, rnd: _Round, inputs: list[torch.Tensor]) -> torch.Tensor:
-        flat = (
-            inputs[0].reshape(-1)
-            if len(inputs) == 1
-            else torch.cat([t.reshape(-1) for t in inputs])
-        )
-        return C.raw_all_gather(flat, self.mesh, rnd.axis)
-
-    def run_rounds(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """All gather rounds on plain tensors; returns the gathered parameters."""
-        current = [s.to(self.gather_dtype(s)) for s in shards]
-        n_of = axis_sizes(self.mesh)
-        for r, rnd in enumerate(self.plan.rounds):
-            pending = self.prefetched.pop(r, None)
-            if pending is None:
-                pending = self._issue(rnd, [current[p.index] for p in rnd.pieces])
-            gathered = C.wait(pending)
-            n, offset = n_of[rnd.axis], 0
-            for p in rnd.pieces:
-                numel = math.prod(p.local_shape)
-                block = gathered[:, offset : offset + numel].reshape(n, *p.local_shape)
-                offset += numel
-                current[p.index] = C._move_leading(block, p.dim).narrow(p.dim, 0, p.gathered_len)
-        self.prefetched.clear()
-        return current
-
-    def free(self) -> None:
-        """Release the gathered storage (kept alive by autograd as empty shells)."""
-        if self.freed or self.simulated:
-            self.freed = True
-            return
-        for t, owned in zip(self.gathered, self.owned):
-            if owned:
-                t.untyped_storage().resize_(0)
-        self.freed = True
-
-    def regather(self) -> None:
-        """Gather again, in place, into the tensors autograd saved in forward."""
-        if not self.freed:
-            return
-        # The gathered tensors sit below any torch.func level; write them outside the transform.
-        with torch.no_grad(), torch._C._DisableFuncTorch():
-            fresh = self.run_rounds(self.shards)
-            for t, new, owned, nbytes in zip(self.gathered, fresh, self.owned, self.nbytes):
-                if not owned:
-                    continue
-                if not self.simulated:
-                    t.untyped_storage().resize_(nbytes)
-                with torch.autograd._unsafe_preserve_version_counter(t):
-                    t.copy_(new)
-        self.freed = False
-
-
-class _UnitGather(torch.autograd.Function):
-    """Gather one unit's parameters; backward reduce-scatters (and all-reduces) the grads."""
-
-    @staticmethod
-    def forward(run: _UnitRun, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        run.shards = list(shards)
-        out = run.run_rounds(shards)
-        gathered_idx = {p.index for rnd in run.plan.rounds for p in rnd.pieces}
-        seen: set[int] = set()
-        for i, t in enumerate(out):
-            if i not in gathered_idx:
-                out[i] = t.view_as(t)
-                continue
-            if not run.simulated:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr in seen:
-                    out[i] = t = t.clone()
-                seen.add(t.untyped_storage().data_ptr())
-        run.gathered = out
-        run.owned = [i in gathered_idx for i in range(len(out))]
-        run.nbytes = [0 if run.simulated else t.untyped_storage().nbytes() for t in out]
-        run.freed = False
-        return tuple(out)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.run = inputs[0]
-        ctx.dtypes = [t.dtype for t in inputs[1:]]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        run: _UnitRun = ctx.run
-        plan, mesh, policy = run.plan, run.mesh, run.policy
-        mp = policy.mixed_precision
-        needs = [ctx.needs_input_grad[1 + i] and not plan.frozen[i] for i in range(len(grads))]
-        reduce_dtype = mp.reduce_dtype or mp.param_dtype
-        current: list[torch.Tensor | None] = [
-            (g.to(reduce_dtype) if reduce_dtype is not None and g.is_floating_point() else g)
-            if need
-            else None
-            for g, need in zip(grads, needs)
-        ]
-        sizes = axis_sizes(mesh)
-        for rnd in reversed(plan.rounds):
-            pieces = [p for p in rnd.pieces if needs[p.index]]
-            if not pieces:
-                continue
-            n = sizes[rnd.axis]
-            rows = []
-            for p in pieces:
-                g = current[p.index]
-                assert g is not None
-                pad = n * p.local_shape[p.dim] - p.gathered_len
-                if pad:
-                    g = torch.nn.functional.pad(g, [0, 0] * (g.ndim - 1 - p.dim) + [0, pad])
-                rows.append(C._split_leading(g, n, p.dim).reshape(n, -1))
-            flat = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-            reduced = C.wait(C.raw_reduce_scatter(flat, mesh, rnd.axis))
-            offset = 0
-            for p in pieces:
-                numel = math.prod(p.local_shape)
-                current[p.index] = reduced[offset : offset + numel].view(p.local_shape)
-                offset += numel
-        if run.sync:
-            _all_reduce_replicated(current, plan.replicated, mesh)
-        mean = policy.grad_reduce == "mean" and run.sync
-        scale = math.prod(sizes[a] for a in run.data_axes) if mean else 1
-        out = []
-        for g, dtype in zip(current, ctx.dtypes):
-            if g is not None:
-                g = g / scale if scale != 1 else g
-                g = g.to(dtype)
-            out.append(g)
-        run.free()
-        return (None, *out)
-
-
-def _all_reduce_replicated(
-    grads: list[torch.Tensor | None], replicated: Sequence[tuple[str, ...]], mesh: DeviceMesh
-) -> None:
-    """All-reduce each gradient over the data axes its parameter is replicated on (bucketed)."""
-    axes = sorted({a for rep, g in zip(replicated, grads) if g is not None for a in rep})
-    for axis in axes:
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, (rep, g) in enumerate(zip(replicated, grads)):
-            if g is not None and axis in rep:
-                by_dtype.setdefault(g.dtype, []).append(i)
-        for idx in by_dtype.values():
-            flat = torch.cat([grads[i].reshape(-1) for i in idx])  # type: ignore[union-attr]
-            flat = C.wait(C.raw_all_reduce(flat, mesh, axis))
-            offset = 0
-            for i in idx:
-                g = grads[i]
-                assert g is not None
-                grads[i] = flat[offset : offset + g.numel()].view(g.shape)
-                offset += g.numel()
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs; in backward, gathers the unit again before it runs."""
-
-    @staticmethod
-    def forward(hook: Callable[[], None], *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(o.view_as(o) for o in outs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.hook = inputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
-
-
-def _attach_pre_backward(out: Any, hook: Callable[[], None]) -> Any:
-    leaves, treedef = optree.tree_flatten(out)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not idx:
-        return out
-    wrapped = _PreBackward.apply(hook, *(leaves[i] for i in idx))
-    for i, w in zip(idx, wrapped):
-        leaves[i] = w
-    return optree.tree_unflatten(treedef, leaves)
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return tree
-    return optree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
-    )
-
-
-# --------------------------------------------------------------------------- checkpoint
-
-
-class _Checkpoint(torch.autograd.Function):
-    """Run ``fn(*flat)`` without keeping activations; recompute them in backward.
-
-    Written as a plain ``autograd.Function`` because torch's checkpoint relies on saved-tensor
-    hooks (refused inside ``torch.func`` transforms) or lacks ``setup_context``.
-    """
-
-    @staticmethod
-    def forward(fn: Callable[..., Any], *flat: Any) -> Any:  # type: ignore[override]
-        with torch.no_grad():
-            return fn(*flat)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.fn = inputs[0]
-        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs[1:]]
-        ctx.save_for_backward(*(x for x in inputs[1:] if isinstance(x, torch.Tensor)))
-        ctx.others = [x for x in inputs[1:] if not isinstance(x, torch.Tensor)]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-        flat = [next(tensors) if is_t else next(others) for is_t in ctx.is_tensor]
-        diff = [i for i, is_t in enumerate(ctx.is_tensor) if is_t and ctx.needs_input_grad[1 + i]]
-
-        def recompute(*xs: torch.Tensor) -> Any:
-            args = list(flat)
-            for i, x in zip(diff, xs):
-                args[i] = x
-            return ctx.fn(*args)
-
-        # torch.func.vjp works both under plain autograd and inside torch.func transforms.
-        out, vjp_fn = torch.func.vjp(recompute, *(flat[i] for i in diff))
-        got = vjp_fn(grads if isinstance(out, tuple) else grads[0])
-        result: list[Any] = [None] * len(flat)
-        for i, g in zip(diff, got):
-            result[i] = g
-        return (None, *result)
-
-
 # --------------------------------------------------------------------------- the FSDP object
 
 
@@ -577,56 +253,78 @@ class FSDP:
 
         Works under plain autograd and inside ``torch.func.grad``/``grad_and_value``/``vjp``;
         gradients arrive as ``Sharded`` values with the parameters' layouts.
+
+        ``buffers`` (``{name: tensor}``) replaces the module's buffers for this call, as in
+        ``torch.func.functional_call``; buffers are never sharded. Python control flow that
+        skips a unit must agree on every rank (its collectives are skipped too).
         """
-        plans = self._plans(params)
-        runs = {
-            name: _UnitRun(plan, self.mesh, self.policy, self.data_axes)
+        static = self._static(params)
+        plans, placeholders, modules = static.plans, static.placeholders, static.modules
+        trackers = active_trackers()
+        in_flight = InFlight()
+        units = {
+            name: Unit(
+                plan,
+                self.mesh,
+                self.policy,
+                self.data_axes,
+                _locals(params, plan),
+                trackers,
+                in_flight,
+            )
             for name, plan in plans.items()
         }
+        if not is_simulated() and not torch.is_anomaly_enabled():
+            # Before any gather, one fence over every shard: see ReduceFence.
+            fenced = iter(
+                ReduceFence.apply(in_flight, *(s for u in units.values() for s in u.shards))
+            )
+            for unit_state in units.values():
+                unit_state.defer = True
+                unit_state.shards = [next(fenced) for _ in unit_state.shards]
         if not self._cache.get("sync", True):
-            for run in runs.values():
-                run.sync = False
-                if run.plan.rounds:
-                    name = run.plan.names[run.plan.rounds[0].pieces[0].index]
+            for unit_state in units.values():
+                unit_state.sync = False
+                if unit_state.plan.rounds:
+                    first = unit_state.plan.rounds[0]
+                    name = unit_state.plan.names[first.pieces[0].index]
                     raise ValueError(
                         f"FSDP.no_sync(): params[{name!r}] ({params[name].spec}) is still sharded "
-                        f"over data axis {run.plan.rounds[0].axis!r}, so its gradient cannot stay "
+                        f"over data axis {first.axis!r}, so its gradient cannot stay "
                         f"unreduced. Gather the data axes first (train_step(accumulate_mode="
                         f"'local') does), or call apply outside no_sync()."
                     )
-        locals_ = {name: _locals(params, plan) for name, plan in plans.items()}
-        order: list[str] = []
-        forward_order = self._cache.get("order") or list(self.units)
+        calls: list[Call] = []  # this step's unit invocations, in order
+        planned: list[str] = self._cache.get("order") or list(self.units)  # the last step's
+        depth = self.policy.prefetch
         reshard = self.policy.reshard_after_forward
         mp = self.policy.mixed_precision
-        modules = dict(self.module.named_modules())
         accessor = NamedMemberAccessor(self.module)
-        placeholders = {
-            alias: torch.empty(v.global_shape, dtype=runs[u].gather_dtype(v.local), device="meta")
-            for u, plan in plans.items()
-            if u
-            for aliases, v in zip(plan.aliases, plan.values)
-            for alias in aliases
-        }
 
-        def gather(unit: str) -> dict[str, torch.Tensor]:
-            run = runs[unit]
-            outs = _UnitGather.apply(run, *locals_[unit])
-            return {alias: t for aliases, t in zip(run.plan.aliases, outs) for alias in aliases}
+        def note_compute(unit: str, phase: Phase) -> None:
+            for tracker in trackers:
+                tracker._record("compute", unit, phase, 0, -1)
 
-        def prefetch_after(unit: str, sequence: Sequence[str]) -> None:
-            if unit not in sequence:
-                return
-            pos = sequence.index(unit)
-            for nxt in sequence[pos + 1 : pos + 1 + self.policy.prefetch]:
-                if nxt in runs:
-                    runs[nxt].prefetch(locals_[nxt])
+        def gather(call: Call) -> dict[str, torch.Tensor]:
+            outs = UnitGather.apply(call, *call.unit.shards)
+            aliases = call.unit.plan.aliases
+            return {alias: t for names, t in zip(aliases, outs) for alias in names}
 
-        def backward_hook(unit: str) -> Callable[[], None]:
+        def prefetch_forward(position: int) -> None:
+            """Issue the all-gathers of the calls that followed ``position`` in the last step."""
+            for name in planned[position + 1 : position + 1 + depth]:
+                if name in units:
+                    units[name].prefetch("forward")
+
+        def backward_hook(call: Call, position: int) -> Callable[[], None]:
+            """Before ``call``'s backward: gather it again, and prefetch the calls before it."""
+
             def hook() -> None:
-                runs[unit].regather()
-                backward_order = ["", *order][::-1]
-                prefetch_after(unit, backward_order)
+                call.regather()
+                for earlier in calls[max(0, position - depth) : position][::-1]:
+                    if earlier.hooked:
+                        earlier.unit.prefetch("backward")
+                note_compute(call.unit.plan.name, "backward")
 
             return hook
 
@@ -635,16 +333,19 @@ class FSDP:
             use_ckpt = ckpt(unit) if callable(ckpt) else bool(ckpt)
 
             def forward(*a: Any, **kw: Any) -> Any:
-                order.append(unit)
-                tensors = gather(unit)
-                prefetch_after(unit, forward_order)
+                call = Call(units[unit], len(calls))
+                calls.append(call)
+                tensors = gather(call)
+                if call.position < len(planned) and planned[call.position] == unit:
+                    prefetch_forward(call.position)
+                note_compute(unit, "forward")
                 if mp.cast_forward_inputs:
-                    a, kw = _cast_floating((a, kw), mp.param_dtype)
+                    a, kw = cast_floating((a, kw), mp.param_dtype)
                 names = list(tensors)
                 try:
                     accessor.swap_tensors_dict(tensors)
                     if use_ckpt:
-                        out = _checkpointed(
+                        out = checkpointed(
                             with_wrappers(original), names, list(tensors.values()), accessor, a, kw
                         )
                     else:
@@ -652,8 +353,8 @@ class FSDP:
                 finally:
                     accessor.swap_tensors_dict({n: placeholders[n] for n in names})
                 if reshard:
-                    runs[unit].free()
-                    out = _attach_pre_backward(out, backward_hook(unit))
+                    call.free("forward")
+                    out, call.hooked = attach_pre_backward(out, backward_hook(call, call.position))
                 return out
 
             return forward
@@ -680,6 +381,7 @@ class FSDP:
 
             return call
 
+        root = Call(units[""], -1) if "" in units else None
         patched = []
         try:
             # Inner wrappers first (e.g. tensor-parallel styles), then the unit gathers.
@@ -691,9 +393,12 @@ class FSDP:
                 m = modules[unit]
                 patched.append((m, m.__dict__.get("forward")))
                 m.forward = wrap(unit, m.forward)  # type: ignore[method-assign]
-            root_tensors = gather("") if "" in runs else {}
+            root_tensors = gather(root) if root is not None else {}
+            prefetch_forward(-1)
+            if root is not None:
+                note_compute("", "forward")
             if mp.cast_forward_inputs:
-                args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
             tensors = {**placeholders, **root_tensors}
             if buffers is not None:
                 tensors.update(buffers)
@@ -707,28 +412,45 @@ class FSDP:
                 else:
                     m.forward = previous  # type: ignore[method-assign]
             restored[0] = True
-        self._cache["order"] = list(dict.fromkeys(order))
+            for unit_state in units.values():  # issued ahead for a call that did not come
+                unit_state.drop_prefetch("forward")
+        self._cache["order"] = [c.unit.plan.name for c in calls]
         if mp.output_dtype is not None:
-            out = _cast_floating(out, mp.output_dtype)
-        if reshard and "" in runs:
-            runs[""].free()
-            out = _attach_pre_backward(out, backward_hook(""))
+            out = cast_floating(out, mp.output_dtype)
+        if reshard and root is not None:
+            root.free("forward")
+            # The root's backward starts first: prefetch the last calls from there.
+            out, root.hooked = attach_pre_backward(out, backward_hook(root, len(calls)))
         return out
 
-    def _plans(self, params: dict[str, Sharded]) -> dict[str, _UnitPlan]:
+    def _static(self, params: dict[str, Sharded]) -> _Static:
+        """Plans and other per-layout state, built once per parameter layout."""
         key = tuple(
             (n, v.global_shape, v.spec, v.dtype)
             for n, v in params.items()
             if isinstance(v, Sharded)
         )
-        cached = self._cache.get("plans")
-        if cached is not None and cached[0] == key:
+        cached = self._cache.get("static")
+        if cached is not None and cached[0] == key and len(key) == len(params):
             return cached[1]
         plans = self._build_plans(params)
-        self._cache["plans"] = (key, plans)
-        return plans
+        pd = self.policy.mixed_precision.param_dtype
+        placeholders = {
+            alias: torch.empty(
+                layout.global_shape,
+                dtype=pd if pd is not None and dtype.is_floating_point else dtype,
+                device="meta",
+            )
+            for u, plan in plans.items()
+            if u
+            for aliases, layout, dtype in zip(plan.aliases, plan.layouts, plan.dtypes)
+            for alias in aliases
+        }
+        static = _Static(plans, placeholders, dict(self.module.named_modules()))
+        self._cache["static"] = (key, static)
+        return static
 
-    def _build_plans(self, params: dict[str, Sharded]) -> dict[str, _UnitPlan]:
+    def _build_plans(self, params: dict[str, Sharded]) -> dict[str, UnitPlan]:
         module_params = dict(self.module.named_parameters())
         missing = sorted(set(module_params) - set(params))
         unexpected = sorted(set(params) - set(module_params))
@@ -769,28 +491,48 @@ class FSDP:
         for pid, names in aliases.items():
             units = {_unit_of(n, self.units) for n in names}
             owner[first_name[pid]] = units.pop() if len(units) == 1 else ""
-        plans: dict[str, _UnitPlan] = {}
+        plans: dict[str, UnitPlan] = {}
         for unit in ["", *self.units]:
             names = tuple(n for n in module_params if owner[n] == unit)
             if not names:
                 continue
             values = tuple(params[n] for n in names)
+            layouts = [v.layout for v in values]
             pd = self.policy.mixed_precision.param_dtype
             dtypes = [
                 pd if pd is not None and v.dtype.is_floating_point else v.dtype for v in values
             ]
-            plans[unit] = _UnitPlan(
+            rounds = plan_rounds(layouts, self.mesh, self.data_axes, dtypes)
+            last_round, full_bytes = [-1] * len(values), [0] * len(values)
+            for r, rnd in enumerate(rounds):
+                for p in rnd.pieces:
+                    last_round[p.index] = r
+                    padded = math.prod(p.padded_shape(rnd.size))
+                    full_bytes[p.index] = padded * rnd.dtype.itemsize
+            plans[unit] = UnitPlan(
                 name=unit,
                 names=names,
                 aliases=tuple(tuple(aliases[id(module_params[n])]) for n in names),
-                values=values,
-                rounds=_plan_rounds(values, self.data_axes, dtypes),
+                layouts=tuple(layouts),
+                dtypes=tuple(v.dtype for v in values),
+                rounds=rounds,
+                last_round=tuple(last_round),
+                gathered_bytes=sum(full_bytes),
                 replicated=tuple(
                     tuple(a for a in self.data_axes if a not in v.spec.axes) for v in values
                 ),
                 frozen=tuple(not module_params[n].requires_grad for n in names),
             )
         return plans
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What :meth:`FSDP.apply` needs that depends only on the parameter layout (cached)."""
+
+    plans: dict[str, UnitPlan]
+    placeholders: dict[str, torch.Tensor]  # meta tensors standing in for ungathered params
+    modules: dict[str, nn.Module]
 
 
 def _unit_of(name: str, units: Sequence[str]) -> str:
@@ -801,33 +543,12 @@ def _unit_of(name: str, units: Sequence[str]) -> str:
     return best
 
 
-def _locals(params: dict[str, Sharded], plan: _UnitPlan) -> list[torch.Tensor]:
+def _locals(params: dict[str, Sharded], plan: UnitPlan) -> list[torch.Tensor]:
     out = []
     for name, frozen in zip(plan.names, plan.frozen):
         local = params[name].local
         out.append(local.detach() if frozen else local)
     return out
-
-
-def _checkpointed(
-    original: Callable[..., Any],
-    names: list[str],
-    params: list[torch.Tensor],
-    accessor: NamedMemberAccessor,
-    args: Any,
-    kwargs: Any,
-) -> Any:
-    flat, treedef = optree.tree_flatten((list(params), args, kwargs), none_is_leaf=True)
-
-    def fn(*leaves: Any) -> Any:
-        ps, a, kw = optree.tree_unflatten(treedef, list(leaves))
-        previous, _ = accessor.swap_tensors_dict(dict(zip(names, ps)))
-        try:
-            return original(*a, **kw)
-        finally:
-            accessor.swap_tensors_dict(previous)
-
-    return _Checkpoint.apply(fn, *flat)
 
 
 def fsdp(
