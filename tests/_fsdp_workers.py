@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
+from functional_fsdp.train import local_batch
 
 CFG = GPTConfig(n_layer=2, vocab_size=61, n_embd=36, n_head=3, block_size=16)
 BATCH = 8
@@ -28,17 +29,6 @@ def reference(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor):
     return loss, grads
 
 
-def local_slice(t: torch.Tensor, mesh, data_axes) -> torch.Tensor:
-    """This rank's share of the global batch over the data axes (row-major rank order)."""
-    n, index = 1, 0
-    for a in data_axes:
-        size = ff.axis_size(mesh, a)
-        index = index * size + mesh.get_local_rank(a)
-        n *= size
-    per = t.shape[0] // n
-    return t[index * per : (index + 1) * per]
-
-
 def fsdp_vs_reference(axes: dict, policy_kwargs: dict, use_func: bool = True):
     """Loss and gathered grads of ff.fsdp vs the single-process reference; also the live memory."""
     torch.manual_seed(0)
@@ -48,7 +38,7 @@ def fsdp_vs_reference(axes: dict, policy_kwargs: dict, use_func: bool = True):
     mesh = ff.make_mesh(axes)
     f = ff.fsdp(model, mesh, policy=ff.Policy(**policy_kwargs))
     params = f.shard()
-    x, y = local_slice(idx, mesh, f.data_axes), local_slice(tgt, mesh, f.data_axes)
+    x, y = local_batch((idx, tgt), mesh, f.data_axes)
     with ff.count_comms() as comms:
         if use_func:
             grads, loss = torch.func.grad_and_value(lambda p: lm_loss(f.apply(p, x), y))(params)
@@ -82,7 +72,7 @@ def fsdp2_reference(n_layers_units: bool = True):
     for block in ref.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(ref, mesh=mesh)
-    x, y = local_slice(idx, mesh, ("dp",)), local_slice(tgt, mesh, ("dp",))
+    x, y = local_batch((idx, tgt), mesh, ("dp",))
     loss = lm_loss(ref(x), y)
     loss.backward()
     fsdp2 = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
@@ -119,7 +109,7 @@ def memory_proof(policy_kwargs: dict) -> dict:
     f = ff.fsdp(model, mesh, policy=ff.Policy(**policy_kwargs))
     params = f.shard()
     idx, tgt = gpt_batch()
-    x, y = local_slice(idx, mesh, ("dp",)), local_slice(tgt, mesh, ("dp",))
+    x, y = local_batch((idx, tgt), mesh, ("dp",))
     seen: dict[str, list[torch.Tensor]] = {}
     snapshots: list[dict] = []
 
@@ -182,7 +172,7 @@ def bf16_vs_fsdp2() -> dict:
     idx, tgt = gpt_batch()
     ref_loss, ref_grads = reference(model, idx, tgt)
     mesh = ff.make_mesh({"dp": dist.get_world_size()})
-    x, y = local_slice(idx, mesh, ("dp",)), local_slice(tgt, mesh, ("dp",))
+    x, y = local_batch((idx, tgt), mesh, ("dp",))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     other = copy.deepcopy(model)
     for block in other.blocks:
@@ -239,7 +229,7 @@ def reuse_and_skip(use_func: bool) -> list[dict]:
     mesh = ff.make_mesh({"dp": dist.get_world_size()})
     f = ff.fsdp(model, mesh)
     params = f.shard()
-    x = local_slice(x_all, mesh, ("dp",))
+    x = local_batch(x_all, mesh, ("dp",))
     out = []
     for skip in (False, True):
         ref = torch.func.grad(
@@ -286,7 +276,7 @@ def mlp_uneven(sizes: tuple[int, ...]) -> dict:
     mesh = ff.make_mesh({"dp": dist.get_world_size()})
     f = ff.fsdp(model, mesh, units=["layers.*"])
     params = f.shard()
-    x = local_slice(x_all, mesh, ("dp",))
+    x = local_batch(x_all, mesh, ("dp",))
     grads = ff.gather(torch.func.grad(lambda p: f.apply(p, x).pow(2).mean())(params))
     leaves = {k: v.local.detach().requires_grad_() for k, v in params.items()}
     f.apply({k: v.replace(leaves[k]) for k, v in params.items()}, x).pow(2).mean().backward()
@@ -344,7 +334,7 @@ def single_parameter_units() -> dict:
     params = f.shard()
     before = {k: v.local.clone() for k, v in params.items()}
     x_all = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))
-    x = local_slice(x_all, mesh, ("dp",))
+    x = local_batch(x_all, mesh, ("dp",))
     ref = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x_all,)).sum())(
         {k: v.detach() for k, v in model.named_parameters()}
     )

@@ -8,7 +8,6 @@ value on a real one.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -17,9 +16,11 @@ import torch.nn.functional as F
 
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
-from functional_fsdp.simulate import per_coordinate
 from functional_fsdp.tp import gpt_plan, tensor_parallel
 from functional_fsdp.tp_ops import vocab_parallel_cross_entropy
+from functional_fsdp.train import local_batch
+
+from ._fsdp_workers import reference
 
 CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16)
 BATCH, SEQ = 8, 12
@@ -29,30 +30,6 @@ def gpt_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
     return idx, torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
-
-
-def reference(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor):
-    """Single-process loss and gradients (keys: model.named_parameters())."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    grads, loss = torch.func.grad_and_value(
-        lambda p: lm_loss(torch.func.functional_call(model, p, (idx,)), tgt)
-    )(params)
-    return loss, grads
-
-
-def data_slice(t: torch.Tensor, mesh, data_axes) -> torch.Tensor:
-    """Each rank's share of the global batch over the data axes (row-major); tp ranks share."""
-    sizes = ff.axis_sizes(mesh)
-    n = math.prod(sizes[a] for a in data_axes)
-
-    def piece(coord: dict[str, int]) -> torch.Tensor:
-        index = 0
-        for a in data_axes:
-            index = index * sizes[a] + coord[a]
-        per = t.shape[0] // n
-        return t[index * per : (index + 1) * per]
-
-    return per_coordinate(mesh, piece)
 
 
 def build(model, mesh, *, sequence_parallel=False, loss_parallel=True, policy=None):
@@ -84,7 +61,7 @@ def ours(model, mesh, options: dict, idx: torch.Tensor, tgt: torch.Tensor) -> di
     """
     f, loss_fn = build(model, mesh, **options)
     params = f.shard()
-    x, y = data_slice(idx, mesh, f.data_axes), data_slice(tgt, mesh, f.data_axes)
+    x, y = local_batch((idx, tgt), mesh, f.data_axes)
     with ff.count_comms() as comms:
         grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
     return {
@@ -156,7 +133,7 @@ def gloo_vs_torch() -> dict[str, Any]:
     idx, tgt = gpt_batch()
     mesh = ff.make_mesh({"dp": dist.get_world_size() // 2, "tp": 2})
     ref = torch_fsdp2_tp(model, mesh)
-    x, y = data_slice(idx, mesh, ("dp",)), data_slice(tgt, mesh, ("dp",))
+    x, y = local_batch(idx, mesh, ("dp",)), local_batch(tgt, mesh, ("dp",))
     torch_loss_value = torch_loss(ref, x, y).full_tensor()
     theirs = {n: p.grad.full_tensor() for n, p in ref.named_parameters()}
     try:
@@ -211,7 +188,7 @@ def train_ours(model, mesh, data, **options: Any) -> dict[str, Any]:
     state = opt.init(params)
     losses, norms = [], []
     slices = [
-        (data_slice(idx, mesh, f.data_axes), data_slice(tgt, mesh, f.data_axes))
+        (local_batch(idx, mesh, f.data_axes), local_batch(tgt, mesh, f.data_axes))
         for idx, tgt in data
     ]
     for x, y in slices:

@@ -28,6 +28,7 @@ from functional_fsdp.tp_styles import (
     SequenceParallel,
     VocabParallelEmbedding,
 )
+from functional_fsdp.train import local_batch
 
 from . import _tp_workers as W
 
@@ -201,7 +202,7 @@ def test_policies_compose_with_tp(policy):
     ref_loss, ref_grads = W.reference(model, idx, tgt)
     with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
         f, loss_fn = W.build(model, mesh, sequence_parallel=True, policy=policy)
-        x, y = W.data_slice(idx, mesh, ("dp",)), W.data_slice(tgt, mesh, ("dp",))
+        x, y = local_batch((idx, tgt), mesh, ("dp",))
         grads, loss = torch.func.grad_and_value(loss_fn)(f.shard(), x, y)
         full = {k: ranks(v)[0] for k, v in ff.gather(grads).items()}
         losses = ranks(loss)  # rank = 2 * dp + tp; each dp rank has its half of the batch
