@@ -19,7 +19,7 @@ from . import collectives as C
 from ._tree import keystr
 from .mesh import axis_names, axis_sizes
 from .sharded import Sharded, block_of, local_shape_problem
-from .simulate import on_rank, per_coordinate
+from .simulate import on_rank, per_coordinate, rank_values
 from .spec import Layout, P, format_mesh, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
@@ -185,12 +185,30 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
             out.append(leaf)
             continue
         layout = _checked_layout(path, leaf.shape, spec, mesh)
+        _check_same_on_every_rank(path, leaf)
         with torch.no_grad():
             local = per_coordinate(
                 mesh, lambda c, t=leaf, lay=layout: block_of(_on_coord(t, mesh, c), lay, c)
             )
         out.append(Sharded(local, layout.global_shape, spec, mesh))
     return optree.tree_unflatten(treedef, out)
+
+
+def _check_same_on_every_rank(path: tuple[Any, ...], t: torch.Tensor) -> None:
+    """On a simulated mesh, refuse a full value that differs between ranks.
+
+    Real processes cannot check this without communication; on a simulated mesh it is free,
+    and it catches the common slip of drawing random data inside ``simulated_mesh`` with an
+    explicit ``torch.Generator`` (each simulated rank draws from it in turn).
+    """
+    values = rank_values(t.detach())
+    if len(values) > 1 and not all(torch.equal(values[0], v) for v in values[1:]):
+        raise ValueError(
+            f"shard(): {keystr(path)} (shape {tuple(t.shape)}) differs between the simulated "
+            f"ranks, but shard() takes the full value, the same on every rank. Create it "
+            f"outside simulated_mesh(), or with torch.manual_seed instead of an explicit "
+            f"torch.Generator (simulated ranks draw from a generator in turn)."
+        )
 
 
 def _on_coord(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:

@@ -220,3 +220,20 @@ def test_collective_errors(mesh4):
         ff.reduce_scatter(torch.ones(2, 3), mesh4, "dp", dim=1)
     with pytest.raises(ValueError, match=r"all_gather: dim 2 is out of range for a tensor of"):
         ff.all_gather(torch.ones(3), mesh4, "dp", dim=2)
+
+
+def test_shard_refuses_a_value_that_differs_between_simulated_ranks():
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 3, generator=g)  # each simulated rank draws its own values
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "shard(): ['w'] (shape (4, 3)) differs between the simulated ranks, but shard() "
+                "takes the full value, the same on every rank. Create it outside simulated_mesh()"
+            ),
+        ):
+            ff.shard({"w": x}, mesh, P("dp"))
+        torch.manual_seed(0)
+        y = torch.randn(4, 3)  # the global RNG gives every simulated rank the same values
+        assert ff.shard({"w": y}, mesh, P("dp"))["w"].local.shape == (2, 3)
