@@ -26,9 +26,9 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from . import collectives as C
 from .memory import EventKind, MemoryTracker, Phase
-from .mesh import axis_names, axis_sizes
+from .mesh import axis_sizes
 from .simulate import is_simulated
-from .spec import Layout
+from .spec import Layout, gather_schedule
 
 if TYPE_CHECKING:
     from .forward import Policy
@@ -91,44 +91,34 @@ def plan_rounds(
     Each round gathers one data axis that is minor in a dim of the parameters it lists (a
     dim split over two data axes takes two rounds), bucketed by gather dtype.
     """
-    names, sizes = axis_names(mesh), axis_sizes(mesh)
+    sizes = axis_sizes(mesh)
     # Gathering over an axis of size 1 moves nothing: the shard is already the full block.
     layouts = list(layouts)
     for i, lay in enumerate(layouts):
         for a in lay.spec.axes:
             if a in data_axes and sizes[a] == 1:
                 layouts[i] = layouts[i].gathered(a)
-    remaining = [[a for a in lay.spec.axes if a in data_axes] for lay in layouts]
+    wanted = [[a for a in lay.spec.axes if a in data_axes] for lay in layouts]
     touched = [False] * len(layouts)
     rounds: list[Round] = []
-    while True:
-        ready: dict[str, list[int]] = {}
-        for i, lay in enumerate(layouts):
-            for dim in range(len(lay.global_shape)):
-                entry = lay.spec.entry(dim)
-                if entry and entry[-1] in remaining[i]:
-                    ready.setdefault(entry[-1], []).append(i)
-        if not ready:
-            break
-        axis = max(ready, key=lambda a: (len(ready[a]), -names.index(a)))
+    for axis, ready in gather_schedule(layouts, wanted):
         n = sizes[axis]
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in ready[axis]:
+        for i in ready:
             by_dtype.setdefault(gather_dtypes[i], []).append(i)
         for dtype, idx in by_dtype.items():
             pieces = []
             for i in idx:
                 lay = layouts[i]
                 dim = lay.spec.dim_of(axis)
-                if dim is None:  # pragma: no cover - ready[axis] only lists sharded dims
+                if dim is None:  # pragma: no cover - the schedule only lists sharded dims
                     raise RuntimeError(f"internal: {axis!r} shards no dim of {lay}")
                 length = lay.block_sizes(dim)[-2]
                 chunked = dim == 0 and -(-length // n) == lay.local_shape[0]
                 pieces.append(Piece(i, lay.local_shape, dim, length, chunked))
             rounds.append(Round(axis, n, dtype, tuple(pieces), not any(touched[i] for i in idx)))
-        for i in ready[axis]:
+        for i in ready:
             layouts[i] = layouts[i].gathered(axis)
-            remaining[i].remove(axis)
             touched[i] = True
     return tuple(rounds)
 

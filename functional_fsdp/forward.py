@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -367,50 +368,29 @@ class FSDP:
             def call(*a: Any, **kw: Any) -> Any:
                 if not restored[0] or not self.wrappers:
                     return fn(*a, **kw)
-                saved = [(modules[p], modules[p].__dict__.get("forward")) for p, _ in self.wrappers]
-                try:
-                    for p, wrapper in self.wrappers:
-                        modules[p].forward = wrapper(modules[p].forward)  # type: ignore[method-assign]
+                with _forwards_wrapped(modules, self.wrappers):
                     return fn(*a, **kw)
-                finally:
-                    for m, previous in reversed(saved):
-                        if previous is None:
-                            del m.forward
-                        else:
-                            m.forward = previous  # type: ignore[method-assign]
 
             return call
 
         root = Call(units[""], -1) if "" in units else None
-        patched = []
+        # Inner wrappers first (e.g. tensor-parallel styles), then the unit gathers.
+        unit_wrappers = [(unit, functools.partial(wrap, unit)) for unit in self.units]
         try:
-            # Inner wrappers first (e.g. tensor-parallel styles), then the unit gathers.
-            for path, wrapper in self.wrappers:
-                m = modules[path]
-                patched.append((m, m.__dict__.get("forward")))
-                m.forward = wrapper(m.forward)  # type: ignore[method-assign]
-            for unit in self.units:
-                m = modules[unit]
-                patched.append((m, m.__dict__.get("forward")))
-                m.forward = wrap(unit, m.forward)  # type: ignore[method-assign]
-            root_tensors = gather(root) if root is not None else {}
-            prefetch_forward(-1)
-            if root is not None:
-                note_compute("", "forward")
-            if mp.cast_forward_inputs:
-                args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-            tensors = {**placeholders, **root_tensors}
-            if buffers is not None:
-                tensors.update(buffers)
-            out = torch.func.functional_call(
-                self.module, tensors, args, kwargs, tie_weights=False, strict=False
-            )
+            with _forwards_wrapped(modules, [*self.wrappers, *unit_wrappers]):
+                root_tensors = gather(root) if root is not None else {}
+                prefetch_forward(-1)
+                if root is not None:
+                    note_compute("", "forward")
+                if mp.cast_forward_inputs:
+                    args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
+                tensors = {**placeholders, **root_tensors}
+                if buffers is not None:
+                    tensors.update(buffers)
+                out = torch.func.functional_call(
+                    self.module, tensors, args, kwargs, tie_weights=False, strict=False
+                )
         finally:
-            for m, previous in reversed(patched):
-                if previous is None:
-                    del m.forward
-                else:
-                    m.forward = previous  # type: ignore[method-assign]
             restored[0] = True
             for unit_state in units.values():  # issued ahead for a call that did not come
                 unit_state.drop_prefetch("forward")
@@ -549,6 +529,27 @@ def _locals(params: dict[str, Sharded], plan: UnitPlan) -> list[torch.Tensor]:
         local = params[name].local
         out.append(local.detach() if frozen else local)
     return out
+
+
+@contextlib.contextmanager
+def _forwards_wrapped(
+    modules: dict[str, nn.Module], wrappers: Sequence[tuple[str, ForwardWrapper]]
+) -> Iterator[None]:
+    """Replace each listed submodule's ``forward`` by ``wrapper(forward)``, in order (later
+    wrappers wrap earlier ones), and restore every one of them on exit."""
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for path, wrapper in wrappers:
+            m = modules[path]
+            patched.append((m, m.__dict__.get("forward")))
+            m.forward = wrapper(m.forward)  # type: ignore[method-assign]
+        yield
+    finally:
+        for m, previous in reversed(patched):
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous  # type: ignore[method-assign]
 
 
 def fsdp(

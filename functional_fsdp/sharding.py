@@ -20,7 +20,7 @@ from ._tree import keystr
 from .mesh import axis_names, axis_sizes
 from .sharded import Sharded, block_of, local_shape_problem
 from .simulate import on_rank, per_coordinate, rank_values
-from .spec import Layout, P, format_mesh, spec_problem
+from .spec import Layout, P, format_mesh, gather_schedule, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
 Specs = P | SpecRule | Any
@@ -336,26 +336,10 @@ def _gather_values(
     each axis takes one bucketed collective (per dtype) wherever the specs allow it.
     """
     current: list[Sharded | torch.Tensor] = list(values)
-    remaining = [set(w) for w in wanted]
-    names = axis_names(values[0].mesh)
-    while True:
-        ready: dict[str, list[int]] = {}
-        for i, v in enumerate(current):
-            if isinstance(v, Sharded):
-                for dim in range(v.ndim):
-                    entry = v.spec.entry(dim)
-                    if entry and entry[-1] in remaining[i]:
-                        ready.setdefault(entry[-1], []).append(i)
-        if not ready:
-            break
-        blocked = {a for i, r in enumerate(remaining) for a in r if i not in ready.get(a, ())}
-        choices = [a for a in ready if a not in blocked] or list(ready)
-        axis = max(choices, key=lambda a: (len(ready[a]), -names.index(a)))
-        idx = ready[axis]
+    for axis, idx in gather_schedule([v.layout for v in values], wanted):
         outs = bucketed_all_gather([current[i] for i in idx], axis, bucket_bytes=bucket_bytes)  # type: ignore[misc]
         for i, out in zip(idx, outs):
             current[i] = out
-            remaining[i].discard(axis)
     return current
 
 

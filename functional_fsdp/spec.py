@@ -17,7 +17,7 @@ Layout rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 SpecEntry = None | str | tuple[str, ...]
@@ -240,6 +240,45 @@ class Layout:
     def gathered(self, axis: str) -> Layout:
         """The layout after gathering over ``axis`` (which must be minor in its dim)."""
         return Layout(self.global_shape, self.spec.without(axis), self.axis_sizes)
+
+
+def gather_schedule(
+    layouts: Sequence[Layout], wanted: Sequence[Collection[str]]
+) -> list[tuple[str, list[int]]]:
+    """In which order to gather ``wanted[i]`` axes out of ``layouts[i]``, bucketing across them.
+
+    Each step ``(axis, indices)`` gathers ``axis`` out of the listed layouts, in each of which
+    it is the minor-most axis of its dim (gathering a major axis first would not give a
+    contiguous block). An axis waits until every layout still wanting it has it minor-most, so
+    that each axis takes one step wherever the specs allow; ties go to the axis serving more
+    layouts, then to mesh order.
+
+    Example:
+        >>> a = Layout.make((8,), P(("tp", "dp")), {"dp": 2, "tp": 2})
+        >>> b = Layout.make((8,), P("tp"), {"dp": 2, "tp": 2})
+        >>> gather_schedule([a, b], [{"dp", "tp"}, {"tp"}])
+        [('dp', [0]), ('tp', [0, 1])]
+    """
+    current = list(layouts)
+    remaining = [set(w) for w in wanted]
+    names = [a for a, _ in current[0].axis_sizes] if current else []
+    steps: list[tuple[str, list[int]]] = []
+    while True:
+        ready: dict[str, list[int]] = {}
+        for i, lay in enumerate(current):
+            for dim in range(len(lay.global_shape)):
+                entry = lay.spec.entry(dim)
+                if entry and entry[-1] in remaining[i]:
+                    ready.setdefault(entry[-1], []).append(i)
+        if not ready:
+            return steps
+        blocked = {a for i, r in enumerate(remaining) for a in r if i not in ready.get(a, ())}
+        choices = [a for a in ready if a not in blocked] or list(ready)
+        axis = max(choices, key=lambda a: (len(ready[a]), -names.index(a)))
+        steps.append((axis, ready[axis]))
+        for i in ready[axis]:
+            current[i] = current[i].gathered(axis)
+            remaining[i].discard(axis)
 
 
 def spec_problem(shape: Sequence[int], spec: P, axis_sizes: Mapping[str, int]) -> str | None:

@@ -9,6 +9,7 @@ global-batch split, gradient accumulation, ZeRO-1 optimizer sharding, metrics an
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -212,10 +213,7 @@ def _gather_for_accumulation(model: FSDP, params: dict[str, Sharded]) -> dict[st
     replicated ones, and averaged over the data ranks: once per step, for the whole model.
     """
     data = model.data_axes
-    compute = {
-        k: P(*(tuple(a for a in v.spec.entry(d) if a not in data) for d in range(v.ndim)))
-        for k, v in params.items()
-    }
+    compute = {k: functools.reduce(P.without, data, v.spec) for k, v in params.items()}
     gathered = reshard(params, compute)
     sizes = axis_sizes(model.mesh)
     scale = 1.0 / math.prod(sizes[a] for a in data) if model.policy.grad_reduce == "mean" else 1.0
@@ -339,7 +337,12 @@ def train_step(
         grads, loss = grads_and_loss(params, local)
         at_rest = None
         if opt_specs is not None:  # ZeRO-1: slice gradients and params to the optimizer layout
-            at_rest = {k: v.spec for k, v in params.items()} if isinstance(params, dict) else None
+            at_rest = optree.tree_map(
+                lambda v: v.spec if isinstance(v, Sharded) else None,
+                params,
+                is_leaf=lambda v: isinstance(v, Sharded),
+                none_is_leaf=True,
+            )
             grads = reshard(grads, opt_specs)
             params = reshard(params, opt_specs)
         norm = global_norm(grads)
@@ -370,7 +373,7 @@ def train_step(
 def _apply_in_place(params: Any, updates: Any) -> Any:
     leaves = tree_leaves(params)
     with torch.no_grad():
-        torch._foreach_add_([t for t in leaves], tree_leaves(updates))
+        torch._foreach_add_(leaves, tree_leaves(updates))
     return params
 
 
