@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig
-from functional_fsdp.tp import gpt_plan, tensor_parallel
-from functional_fsdp.tp_ops import vocab_parallel_cross_entropy
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+from functional_fsdp.tp.ops import vocab_parallel_cross_entropy
+from functional_fsdp.tp.plan import tensor_parallel
 
 
 class TorchComms(TorchDispatchMode):

@@ -23,9 +23,9 @@ from chardata import load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig
-from functional_fsdp.tp import gpt_plan, tensor_parallel
-from functional_fsdp.tp_ops import vocab_parallel_cross_entropy
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+from functional_fsdp.tp.ops import vocab_parallel_cross_entropy
+from functional_fsdp.tp.plan import tensor_parallel
 
 
 def parse_args() -> argparse.Namespace:

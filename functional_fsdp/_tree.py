@@ -48,3 +48,13 @@ def keystr(path: tuple[Any, ...]) -> str:
     if not path:
         return "<root>"
     return "".join(f"[{k!r}]" for k in path)
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A key path as a dotted name, e.g. ``blocks.0.attn.weight`` (what spec rules receive).
+
+    Example:
+        >>> dotted(("blocks", 0, "weight"))
+        'blocks.0.weight'
+    """
+    return ".".join(str(getattr(k, "name", k)) for k in path)

@@ -11,7 +11,7 @@ from typing import Any
 import optree
 
 from ._tree import keystr
-from .mesh import axis_names, axis_sizes
+from .dist.mesh import axis_names, axis_sizes
 from .sharded import Sharded
 from .spec import Layout, format_mesh
 

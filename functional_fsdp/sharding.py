@@ -15,11 +15,11 @@ import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
-from ._tree import keystr
-from .mesh import axis_names, axis_sizes
+from ._tree import dotted, keystr
+from .dist import collectives as C
+from .dist.mesh import axis_names, axis_sizes
+from .dist.simulate import on_rank, per_coordinate, rank_values
 from .sharded import Sharded, block_of, local_shape_problem
-from .simulate import on_rank, per_coordinate, rank_values
 from .spec import Layout, P, format_mesh, gather_schedule, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
@@ -32,11 +32,6 @@ Specs = P | SpecRule | Any
 def _flatten(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any], optree.PyTreeSpec]:
     # Without the namespace a Sharded is a leaf; None is a leaf so specs can line up with it.
     return optree.tree_flatten_with_path(tree, none_is_leaf=True)
-
-
-def dotted(path: tuple[Any, ...]) -> str:
-    """A key path as a dotted name, e.g. ``blocks.0.attn.weight`` (what spec rules receive)."""
-    return ".".join(str(getattr(k, "name", k)) for k in path)
 
 
 def resolve_specs(tree: Any, specs: Specs) -> list[P | None]:

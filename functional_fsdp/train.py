@@ -17,17 +17,17 @@ from typing import Any, Literal
 import optree
 import torch
 
-from . import collectives as C
-from ._optim_tree import donating
 from ._tree import NAMESPACE, tree_leaves
-from .clipping import global_norm
-from .forward import FSDP
-from .mesh import axis_sizes
-from .optim import GradientTransformation, apply_updates
-from .schedules import Schedule
+from .dist import collectives as C
+from .dist.mesh import axis_sizes
+from .dist.simulate import per_coordinate
+from .fsdp.api import FSDP
+from .optim._tree import donating
+from .optim.clipping import global_norm
+from .optim.schedules import Schedule
+from .optim.transforms import GradientTransformation, apply_updates
 from .sharded import Sharded
 from .sharding import reshard
-from .simulate import per_coordinate
 from .spec import P, format_mesh
 
 Batch = Any

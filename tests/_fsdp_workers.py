@@ -101,7 +101,7 @@ def memory_proof(policy_kwargs: dict) -> dict:
     the gathered tensors) records every unit's gathered tensors seen so far and how many
     bytes of storage each unit still holds. Plain autograd, so tensors are not wrapped.
     """
-    from functional_fsdp.memory import track_memory
+    from functional_fsdp.fsdp.memory import track_memory
 
     torch.manual_seed(0)
     model = GPT(CFG4)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig, lm_loss
-from functional_fsdp.tp import gpt_plan, tensor_parallel
-from functional_fsdp.tp_ops import vocab_parallel_cross_entropy
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
+from functional_fsdp.tp.ops import vocab_parallel_cross_entropy
+from functional_fsdp.tp.plan import tensor_parallel
 from functional_fsdp.train import local_batch
 
 from ._fsdp_workers import reference

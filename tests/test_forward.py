@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed._local_tensor import rank_map
 
 import functional_fsdp as ff
-from functional_fsdp.memory import track_memory
+from functional_fsdp.fsdp.memory import track_memory
 from functional_fsdp.models import GPT, MLPModel, lm_loss
 
 from . import _fsdp_workers as W

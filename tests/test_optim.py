@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import functional_fsdp as ff
-import functional_fsdp.optim as fo
-import functional_fsdp.schedules as fs
+import functional_fsdp.optim.schedules as fs
+import functional_fsdp.optim.transforms as fo
 from functional_fsdp._tree import tree_leaves, tree_map
-from functional_fsdp.clipping import clip_by_global_norm, global_norm
+from functional_fsdp.optim.clipping import clip_by_global_norm, global_norm
 
 STEPS = 20
 

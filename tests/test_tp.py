@@ -11,9 +11,8 @@ from torch import nn
 from torch.distributed._local_tensor import rank_map
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig
-from functional_fsdp.tp import gpt_plan, tensor_parallel
-from functional_fsdp.tp_ops import (
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+from functional_fsdp.tp.ops import (
     copy_to,
     gather_from,
     reduce_from,
@@ -21,7 +20,8 @@ from functional_fsdp.tp_ops import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
-from functional_fsdp.tp_styles import (
+from functional_fsdp.tp.plan import tensor_parallel
+from functional_fsdp.tp.styles import (
     ColwiseParallel,
     PrepareInput,
     RowwiseParallel,

@@ -2,7 +2,7 @@
 
 TP is specs plus the Megatron conjugate operations in the forward. A *plan* maps
 module-path patterns (fnmatch, like torchtitan's TP plans) to styles
-(:mod:`functional_fsdp.tp_styles`). :func:`tensor_parallel` resolves a plan against a module
+(:mod:`functional_fsdp.tp.styles`). :func:`tensor_parallel` resolves a plan against a module
 and returns the parameter specs (the TP split, with FSDP over the data axes as the minor
 split of dim 0) and the forward wrappers, ready for :func:`functional_fsdp.fsdp`::
 
@@ -18,24 +18,18 @@ import difflib
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import axis_names, axis_sizes
-from .models import GPTConfig
-from .spec import P, format_mesh
-from .tp_styles import (
+from ..dist.mesh import axis_names, axis_sizes
+from ..spec import P, format_mesh
+from .styles import (
     ColwiseParallel,
     ForwardWrapper,
     PrepareInput,
-    RowwiseParallel,
-    ScatterOutput,
-    SequenceParallel,
     Style,
-    VocabParallelEmbedding,
 )
 
 # --------------------------------------------------------------------------- plans
@@ -60,7 +54,7 @@ class TensorParallel:
         >>> import torch, functional_fsdp as ff
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8))
         >>> with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
-        ...     tp = tensor_parallel(model, mesh, {"0": ColwiseParallel()})
+        ...     tp = tensor_parallel(model, mesh, {"0": ff.ColwiseParallel()})
         ...     tp.tp_specs["0.weight"], tp.specs["0.weight"], tp.data_axes
         (P('tp', None), P(('tp', 'dp'), None), ('dp',))
     """
@@ -141,7 +135,7 @@ def tensor_parallel(
     Example:
         >>> import torch, functional_fsdp as ff
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-        >>> plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        >>> plan = {"0": ff.ColwiseParallel(), "2": ff.RowwiseParallel()}
         >>> with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
         ...     tp = tensor_parallel(model, mesh, plan)
         ...     print(tp.specs)
@@ -248,57 +242,3 @@ def _describe(name: str, chosen: dict[str, tuple[str, Style]]) -> str:
         pattern, style = chosen[path]
         return f"plan entry {pattern!r} ({type(style).__name__} on {path!r})"
     return f"no plan entry for {path!r} (replicated)"
-
-
-# --------------------------------------------------------------------------- model plans
-
-
-def gpt_plan(
-    cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: bool = True
-) -> dict[str, Style]:
-    """The TP plan of :class:`functional_fsdp.models.GPT` (Megatron-style).
-
-    Attention heads and the MLP hidden units are split over tp (q, k, v and ``fc1``
-    colwise, ``wo`` and ``fc2`` rowwise, one :class:`PrepareInput` per block half); the token
-    embedding is vocab-parallel and the tied head colwise over the vocabulary.
-
-    Args:
-        cfg: the model's config (for the head size).
-        sequence_parallel: keep the residual stream split along the sequence between the
-            blocks (norms run on a part of the sequence; the block boundaries all-gather and
-            reduce-scatter instead of all-reducing).
-        loss_parallel: leave the logits split over the vocabulary, for
-            :func:`vocab_parallel_cross_entropy`; ``False`` all-gathers them for an
-            ordinary loss.
-
-    Example:
-        >>> from functional_fsdp.models import GPTConfig
-        >>> sorted(gpt_plan(GPTConfig()))[:3]
-        ['blocks.*.attn', 'blocks.*.attn.w[qkv]', 'blocks.*.attn.wo']
-    """
-    sp = sequence_parallel
-    seq: Literal["replicated", "sequence"] = "sequence" if sp else "replicated"
-    plan: dict[str, Style] = {
-        "tok_emb": VocabParallelEmbedding(output=seq),
-        "blocks.*.attn": PrepareInput(sequence_dim=1 if sp else None),
-        "blocks.*.attn.w[qkv]": ColwiseParallel(
-            input="prepared", head_dim=cfg.n_embd // cfg.n_head
-        ),
-        "blocks.*.attn.wo": RowwiseParallel(output=seq),
-        "blocks.*.mlp": PrepareInput(sequence_dim=1 if sp else None),
-        "blocks.*.mlp.fc1": ColwiseParallel(input="prepared"),
-        "blocks.*.mlp.fc2": RowwiseParallel(output=seq),
-        "head": ColwiseParallel(
-            input="sequence" if sp else "replicated",
-            output="sharded" if loss_parallel else "replicated",
-        ),
-    }
-    if sp:
-        plan.update(
-            {
-                "pos_emb": ScatterOutput(dim=0),
-                "blocks.*.ln[12]": SequenceParallel(),
-                "ln_f": SequenceParallel(),
-            }
-        )
-    return plan

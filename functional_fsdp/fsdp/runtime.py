@@ -7,7 +7,7 @@
 * Autograd functions: the gather (whose backward reduce-scatters), the pre-backward hook that
   gathers a unit again, the fence that finishes the reductions in flight, and checkpointing.
 
-Communication goes through :mod:`functional_fsdp.collectives`; bookkeeping runs on plain
+Communication goes through :mod:`functional_fsdp.dist.collectives`; bookkeeping runs on plain
 tensors below any ``torch.func`` level.
 """
 
@@ -24,14 +24,14 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from . import collectives as C
+from ..dist import collectives as C
+from ..dist.mesh import axis_sizes
+from ..dist.simulate import is_simulated
+from ..spec import Layout, gather_schedule
 from .memory import EventKind, MemoryTracker, Phase
-from .mesh import axis_sizes
-from .simulate import is_simulated
-from .spec import Layout, gather_schedule
 
 if TYPE_CHECKING:
-    from .forward import Policy
+    from .api import Policy
 
 
 # --------------------------------------------------------------------------- gather plans

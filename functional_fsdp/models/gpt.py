@@ -10,10 +10,21 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..tp.styles import (
+    ColwiseParallel,
+    PrepareInput,
+    RowwiseParallel,
+    ScatterOutput,
+    SequenceParallel,
+    Style,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,3 +143,54 @@ class MLPModel(nn.Module):
             if i < len(self.layers) - 1:
                 x = torch.tanh(x)
         return x
+
+
+def gpt_plan(
+    cfg: GPTConfig, *, sequence_parallel: bool = False, loss_parallel: bool = True
+) -> dict[str, Style]:
+    """The TP plan of :class:`functional_fsdp.models.GPT` (Megatron-style).
+
+    Attention heads and the MLP hidden units are split over tp (q, k, v and ``fc1``
+    colwise, ``wo`` and ``fc2`` rowwise, one :class:`PrepareInput` per block half); the token
+    embedding is vocab-parallel and the tied head colwise over the vocabulary.
+
+    Args:
+        cfg: the model's config (for the head size).
+        sequence_parallel: keep the residual stream split along the sequence between the
+            blocks (norms run on a part of the sequence; the block boundaries all-gather and
+            reduce-scatter instead of all-reducing).
+        loss_parallel: leave the logits split over the vocabulary, for
+            :func:`vocab_parallel_cross_entropy`; ``False`` all-gathers them for an
+            ordinary loss.
+
+    Example:
+        >>> from functional_fsdp.models import GPTConfig
+        >>> sorted(gpt_plan(GPTConfig()))[:3]
+        ['blocks.*.attn', 'blocks.*.attn.w[qkv]', 'blocks.*.attn.wo']
+    """
+    sp = sequence_parallel
+    seq: Literal["replicated", "sequence"] = "sequence" if sp else "replicated"
+    plan: dict[str, Style] = {
+        "tok_emb": VocabParallelEmbedding(output=seq),
+        "blocks.*.attn": PrepareInput(sequence_dim=1 if sp else None),
+        "blocks.*.attn.w[qkv]": ColwiseParallel(
+            input="prepared", head_dim=cfg.n_embd // cfg.n_head
+        ),
+        "blocks.*.attn.wo": RowwiseParallel(output=seq),
+        "blocks.*.mlp": PrepareInput(sequence_dim=1 if sp else None),
+        "blocks.*.mlp.fc1": ColwiseParallel(input="prepared"),
+        "blocks.*.mlp.fc2": RowwiseParallel(output=seq),
+        "head": ColwiseParallel(
+            input="sequence" if sp else "replicated",
+            output="sharded" if loss_parallel else "replicated",
+        ),
+    }
+    if sp:
+        plan.update(
+            {
+                "pos_emb": ScatterOutput(dim=0),
+                "blocks.*.ln[12]": SequenceParallel(),
+                "ln_f": SequenceParallel(),
+            }
+        )
+    return plan

@@ -11,7 +11,7 @@ are computed on the host in double precision, like ``torch.optim``'s default (no
 path, so no step forces a device sync. The price: a count is not a tensor leaf, so code that
 maps over optimizer states must let ints through.
 
-The one mesh-aware piece, global-norm clipping, lives in :mod:`functional_fsdp.clipping`.
+The one mesh-aware piece, global-norm clipping, lives in :mod:`functional_fsdp.optim.clipping`.
 
 Example:
     >>> import torch
@@ -33,7 +33,8 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
-from ._optim_tree import (
+from .._tree import dotted
+from ._tree import (
     SAME_PARAMS_HINT,
     check_real,
     check_tensor_tree,
@@ -46,7 +47,6 @@ from ._optim_tree import (
     zeros_like_tree,
 )
 from .schedules import Schedule
-from .sharding import dotted
 
 Params = Any  # a pytree of tensors and Sharded values
 Updates = Any  # a pytree like Params: gradients, or updates to add to Params

@@ -1,7 +1,7 @@
 """Tensor-parallel styles: how one module runs split over the tensor-parallel axis.
 
 A style gives the TP specs of a module's own parameters and wraps its forward with the
-Megatron conjugate operations (:mod:`functional_fsdp.tp_ops`). Styles are immutable data;
+Megatron conjugate operations (:mod:`functional_fsdp.tp.ops`). Styles are immutable data;
 :func:`functional_fsdp.tensor_parallel` matches them to modules through a plan, and the
 wrappers run only inside ``FSDP.apply``, where a wrapped forward sees its parameters
 gathered over the data axes only: the TP-local blocks.
@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from . import collectives as C
-from .spec import P
-from .tp_ops import copy_to, gather_from, reduce_from, scatter_to, vocab_parallel_embedding
+from ..dist import collectives as C
+from ..spec import P
+from .ops import copy_to, gather_from, reduce_from, scatter_to, vocab_parallel_embedding
 
 Forward = Callable[..., Any]
 ForwardWrapper = Callable[[Forward], Forward]

@@ -27,7 +27,7 @@ def _local_tensor_module() -> Any:
         raise RuntimeError(
             f"simulated meshes need torch.distributed._local_tensor (torch >= 2.10); this is "
             f"torch {torch.__version__}. Upgrade torch, or run the same code on real processes "
-            f"with `torchrun --nproc-per-node N` or functional_fsdp.launch."
+            f"with `torchrun --nproc-per-node N` or ff.launch."
         ) from e
     return _local_tensor
 

@@ -15,7 +15,7 @@ parameter, and an all-reduce over the data axes where it is replicated (the grad
 On real processes a unit's reduce-scatter stays in flight while the next unit computes its
 backward. A unit called twice in one forward is gathered (and reduced) once per call.
 
-:func:`~functional_fsdp.memory.track_memory` shows which units' full parameters are alive
+:func:`~functional_fsdp.fsdp.memory.track_memory` shows which units' full parameters are alive
 at every step of this; ``count_comms`` shows the collectives.
 """
 
@@ -35,7 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from ._units import (
+from ..dist.mesh import axis_names, axis_sizes
+from ..dist.simulate import is_simulated
+from ..sharded import Sharded
+from ..sharding import Specs, resolve_specs, shard
+from ..spec import P, format_mesh
+from .memory import Phase, active_trackers
+from .runtime import (
     Call,
     InFlight,
     ReduceFence,
@@ -47,12 +53,6 @@ from ._units import (
     checkpointed,
     plan_rounds,
 )
-from .memory import Phase, active_trackers
-from .mesh import axis_names, axis_sizes
-from .sharded import Sharded
-from .sharding import Specs, resolve_specs, shard
-from .simulate import is_simulated
-from .spec import P, format_mesh
 
 # --------------------------------------------------------------------------- configuration
 

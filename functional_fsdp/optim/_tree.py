@@ -17,9 +17,8 @@ from typing import Any
 import optree
 import torch
 
-from ._tree import tree_flatten, tree_map
-from .sharded import Sharded
-from .sharding import dotted
+from .._tree import dotted, tree_flatten, tree_map
+from ..sharded import Sharded
 
 REINIT_HINT = (
     "The optimizer state was built by init() for another params tree: call "

@@ -20,9 +20,8 @@ import optree
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ._tree import NAMESPACE
-from .sharded import Sharded
-from .sharding import dotted
+from .._tree import NAMESPACE, dotted
+from ..sharded import Sharded
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:

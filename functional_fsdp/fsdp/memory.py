@@ -54,7 +54,7 @@ class MemoryTracker:
 
     Example:
         >>> import torch, functional_fsdp as ff
-        >>> from functional_fsdp.memory import track_memory
+        >>> from functional_fsdp.fsdp.memory import track_memory
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         >>> with ff.simulated_mesh({"dp": 2}) as mesh:
         ...     sharded_model = ff.fsdp(model, mesh)
@@ -154,7 +154,7 @@ def track_memory() -> Iterator[MemoryTracker]:
 
     Example:
         >>> import torch, functional_fsdp as ff
-        >>> from functional_fsdp.memory import track_memory
+        >>> from functional_fsdp.fsdp.memory import track_memory
         >>> model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
         >>> with ff.simulated_mesh({"dp": 2}) as mesh:
         ...     sharded_model = ff.fsdp(model, mesh)  # three units, prefetch 1

@@ -16,12 +16,12 @@ import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
-from ._optim_tree import check_real, map_foreach
-from .mesh import axis_names
-from .optim import EmptyState, GradientTransformation, OptState, Params, Updates
-from .sharded import Sharded
-from .sharding import dotted
+from .._tree import dotted
+from ..dist import collectives as C
+from ..dist.mesh import axis_names
+from ..sharded import Sharded
+from ._tree import check_real, map_foreach
+from .transforms import EmptyState, GradientTransformation, OptState, Params, Updates
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from .mesh import axis_sizes
-from .spec import format_mesh
+from ..spec import format_mesh
 
 ReduceOp = Literal["sum", "mean"]
 

@@ -14,7 +14,7 @@ The sequence-parallel pair is plain :func:`functional_fsdp.all_gather` and
 :func:`functional_fsdp.reduce_scatter` on the sequence dim (each other's transpose).
 
 Per-rank slices use the same ops on every rank with per-rank index data (built with
-:func:`~functional_fsdp.simulate.per_coordinate`), so they also run on simulated meshes.
+:func:`~functional_fsdp.dist.simulate.per_coordinate`), so they also run on simulated meshes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import collectives as C
-from .mesh import axis_sizes
-from .simulate import per_coordinate
-from .spec import format_mesh
+from ..dist import collectives as C
+from ..dist.mesh import axis_sizes
+from ..dist.simulate import per_coordinate
+from ..spec import format_mesh
 
 
 def _size(mesh: DeviceMesh, axis: str, what: str) -> int:

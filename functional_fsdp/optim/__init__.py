@@ -1,0 +1,1 @@
+"""Optax-style optimizers: transformations, schedules and mesh-aware clipping."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: ops (Megatron's conjugate collectives), styles and plans."""
