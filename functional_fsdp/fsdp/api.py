@@ -277,12 +277,15 @@ class FSDP:
         }
         if not is_simulated() and not torch.is_anomaly_enabled():
             # Before any gather, one fence over every shard: see ReduceFence.
-            fenced = iter(
-                ReduceFence.apply(in_flight, *(s for u in units.values() for s in u.shards))
-            )
+            # Only shards being differentiated: a frozen one must not turn into one that
+            # requires grad (an autograd.Function's outputs all do when any input does).
+            live = [s for u in units.values() for s in u.shards if s.requires_grad]
+            fenced = iter(ReduceFence.apply(in_flight, *live)) if live else iter(())
             for unit_state in units.values():
                 unit_state.defer = True
-                unit_state.shards = [next(fenced) for _ in unit_state.shards]
+                unit_state.shards = [
+                    next(fenced) if s.requires_grad else s for s in unit_state.shards
+                ]
         if not self._cache.get("sync", True):
             for unit_state in units.values():
                 unit_state.sync = False
@@ -501,7 +504,6 @@ class FSDP:
                 replicated=tuple(
                     tuple(a for a in self.data_axes if a not in v.spec.axes) for v in values
                 ),
-                frozen=tuple(not module_params[n].requires_grad for n in names),
             )
         return plans
 
@@ -524,11 +526,8 @@ def _unit_of(name: str, units: Sequence[str]) -> str:
 
 
 def _locals(params: dict[str, Sharded], plan: UnitPlan) -> list[torch.Tensor]:
-    out = []
-    for name, frozen in zip(plan.names, plan.frozen):
-        local = params[name].local
-        out.append(local.detach() if frozen else local)
-    return out
+    # A parameter gets a gradient exactly when the caller differentiates its shard.
+    return [params[name].local for name in plan.names]
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
+import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
@@ -76,7 +77,6 @@ class UnitPlan:
     rounds: tuple[Round, ...]
     last_round: tuple[int, ...]  # per parameter: the round that completes it (-1: none)
     replicated: tuple[tuple[str, ...], ...]  # per parameter: data axes it is replicated over
-    frozen: tuple[bool, ...]
     gathered_bytes: int  # of the full (padded) parameters, in the gather dtypes
 
 
@@ -269,6 +269,8 @@ class Unit:
             for g in grads
         ]
         needed = [i for i, g in enumerate(current) if g is not None]
+        if not needed:
+            return current
         rounds = [rnd for rnd in reversed(plan.rounds) if any(i in needed for i in _indices(rnd))]
         all_reduce = self.sync and any(sizes[a] > 1 for i in needed for a in plan.replicated[i])
         # Deferred only for a unit called once: the gradients of several calls are summed
@@ -437,8 +439,7 @@ class UnitGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         call: Call = ctx.call
-        frozen = call.unit.plan.frozen
-        needs = [ctx.needs_input_grad[1 + i] and not frozen[i] for i in range(len(grads))]
+        needs = [ctx.needs_input_grad[1 + i] for i in range(len(grads))]
         # Communication and bookkeeping on plain tensors, below any torch.func level: the
         # returned gradients are constants to outer transforms (FSDP is not differentiated
         # twice), and the transforms' per-op overhead is avoided.
@@ -516,20 +517,21 @@ class ReduceFence(torch.autograd.Function):
 
 def attach_pre_backward(out: Any, hook: Callable[[], None]) -> tuple[Any, bool]:
     """``out`` with ``hook`` run before backward reaches it; and whether any output needs grad."""
-    leaves, treedef = optree.tree_flatten(out)
+    leaves, treedef = torch_pytree.tree_flatten(out)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not idx:
         return out, False
     wrapped = PreBackward.apply(hook, *(leaves[i] for i in idx))
     for i, w in zip(idx, wrapped):
         leaves[i] = w
-    return optree.tree_unflatten(treedef, leaves), True
+    return torch_pytree.tree_unflatten(leaves, treedef), True
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Cast the floating tensors of ``tree`` (as torch's pytree sees it: ``ModelOutput`` too)."""
     if dtype is None:
         return tree
-    return optree.tree_map(
+    return torch_pytree.tree_map(
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
     )
 
