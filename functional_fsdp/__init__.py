@@ -29,13 +29,13 @@ from .dist.simulate import is_simulated as is_simulated
 from .dist.simulate import rank_values as rank_values
 from .dist.simulate import simulated_mesh as simulated_mesh
 from .fsdp.api import FSDP as FSDP
-from .fsdp.api import MixedPrecision as MixedPrecision
-from .fsdp.api import Policy as Policy
-from .fsdp.api import find_units as find_units
 from .fsdp.api import fsdp as fsdp
 from .fsdp.memory import MemoryEvent as MemoryEvent
 from .fsdp.memory import MemoryTracker as MemoryTracker
 from .fsdp.memory import track_memory as track_memory
+from .fsdp.policy import MixedPrecision as MixedPrecision
+from .fsdp.policy import Policy as Policy
+from .fsdp.policy import find_units as find_units
 from .models.gpt import gpt_plan as gpt_plan
 from .optim.clipping import clip_by_global_norm as clip_by_global_norm
 from .optim.clipping import global_norm as global_norm

@@ -112,12 +112,20 @@ def memory_proof(policy_kwargs: dict) -> dict:
     x, y = local_batch((idx, tgt), mesh, ("dp",))
     seen: dict[str, list[torch.Tensor]] = {}
     snapshots: list[dict] = []
+    running: dict[str, torch.nn.Module] = {}  # the per-call copies FSDP.apply runs
 
-    def probe(unit: str, block: torch.nn.Module):
+    def enter(key: str):
         def hook(module, args):
-            if "" not in seen:  # the root's tensors, as functional_call swapped them in
-                seen[""] = [model.tok_emb.weight, model.pos_emb.weight, *model.ln_f.parameters()]
-            seen[unit] = list(block.parameters())
+            running[key] = module
+
+        return hook
+
+    def probe(unit: str):
+        def hook(module, args):
+            if "" not in seen:  # the root's gathered tensors, as set on the call's copy
+                root = running[""]
+                seen[""] = [root.tok_emb.weight, root.pos_emb.weight, *root.ln_f.parameters()]
+            seen[unit] = list(running[unit].parameters())
             snapshots.append(
                 {
                     "unit": unit,
@@ -129,9 +137,10 @@ def memory_proof(policy_kwargs: dict) -> dict:
 
         return hook
 
-    handles = [
-        b.mlp.register_forward_pre_hook(probe(f"blocks.{i}", b)) for i, b in enumerate(model.blocks)
-    ]
+    handles = [model.register_forward_pre_hook(enter(""))]
+    for i, b in enumerate(model.blocks):
+        handles.append(b.register_forward_pre_hook(enter(f"blocks.{i}")))
+        handles.append(b.mlp.register_forward_pre_hook(probe(f"blocks.{i}")))
     try:
         with track_memory() as tracker:
             leaves = {k: v.local.detach().requires_grad_() for k, v in params.items()}

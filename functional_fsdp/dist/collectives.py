@@ -145,8 +145,24 @@ def count_comms() -> Iterator[CommCounter]:
         _COUNTERS.reset(token)
 
 
-def _record(kind: str, axis: str, n: int, buffer_bytes: int, dtype: torch.dtype) -> None:
-    counters = _COUNTERS.get()
+def active_counters() -> tuple[CommCounter, ...]:
+    """The counters of the enclosing :func:`count_comms` blocks.
+
+    The FSDP engine reads them once when ``apply`` starts and hands them to every collective
+    of that call, backward included (autograd's worker threads do not inherit context
+    variables).
+    """
+    return _COUNTERS.get()
+
+
+Counters = tuple[CommCounter, ...] | None
+
+
+def _record(
+    kind: str, axis: str, n: int, buffer_bytes: int, dtype: torch.dtype, counters: Counters
+) -> None:
+    if counters is None:
+        counters = _COUNTERS.get()
     if counters:
         factor = 2 if kind == "all_reduce" else 1
         rec = CommRecord(kind, axis, n, factor * buffer_bytes * (n - 1) // n, dtype)
@@ -188,7 +204,9 @@ def _issued(out: torch.Tensor) -> torch.Tensor:
     return funcol._maybe_wrap_tensor(out)
 
 
-def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+def raw_all_gather(
+    x: torch.Tensor, mesh: DeviceMesh, axis: str, *, counters: Counters = None
+) -> torch.Tensor:
     """All-gather ``x`` over ``axis`` along a new leading dim: ``[size(axis), *x.shape]``.
 
     Not differentiable; returns an async tensor that waits on first use.
@@ -197,7 +215,7 @@ def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
     if n == 1:
         return x.unsqueeze(0)
     x = _contiguous(x)
-    _record("all_gather", axis, n, _nbytes(x) * n, x.dtype)
+    _record("all_gather", axis, n, _nbytes(x) * n, x.dtype, counters)
     with torch.no_grad():
         out = _issued(
             torch.ops._c10d_functional.all_gather_into_tensor(
@@ -208,7 +226,12 @@ def raw_all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor
 
 
 def raw_reduce_scatter(
-    x: torch.Tensor, mesh: DeviceMesh, axis: str, op: ReduceOp = "sum"
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: str,
+    op: ReduceOp = "sum",
+    *,
+    counters: Counters = None,
 ) -> torch.Tensor:
     """Reduce ``x`` (shape ``[size(axis), *rest]``) over ``axis`` and keep row ``index(axis)``.
 
@@ -221,7 +244,7 @@ def raw_reduce_scatter(
         out = x[0]
     else:
         x = _contiguous(x)
-        _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
+        _record("reduce_scatter", axis, n, _nbytes(x), x.dtype, counters)
         ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
         with torch.no_grad():
             if _direct_reduce_scatter(mesh, axis):  # see raw_reduce_scatter_start
@@ -235,7 +258,7 @@ def raw_reduce_scatter(
 
 
 def raw_reduce_scatter_start(
-    x: torch.Tensor, mesh: DeviceMesh, axis: str
+    x: torch.Tensor, mesh: DeviceMesh, axis: str, *, counters: Counters = None
 ) -> tuple[torch.Tensor, Callable[[], None]]:
     """Start a sum reduce-scatter of ``x`` (``[size(axis), *rest]``); return ``(out, finish)``.
 
@@ -249,7 +272,7 @@ def raw_reduce_scatter_start(
     if n == 1:
         return x[0], lambda: None
     x = _contiguous(x)
-    _record("reduce_scatter", axis, n, _nbytes(x), x.dtype)
+    _record("reduce_scatter", axis, n, _nbytes(x), x.dtype, counters)
     ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
     with torch.no_grad():
         if not _direct_reduce_scatter(mesh, axis):
@@ -279,7 +302,12 @@ def _direct_reduce_scatter(mesh: DeviceMesh, axis: str) -> bool:
 
 
 def raw_all_reduce(
-    x: torch.Tensor, mesh: DeviceMesh, axis: str | tuple[str, ...], op: ReduceOp = "sum"
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: str | tuple[str, ...],
+    op: ReduceOp = "sum",
+    *,
+    counters: Counters = None,
 ) -> torch.Tensor:
     """Sum (or average) ``x`` over one or several axes. Not differentiable."""
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
@@ -290,7 +318,7 @@ def raw_all_reduce(
         total *= n
         if n == 1:
             continue
-        _record("all_reduce", a, n, _nbytes(x), x.dtype)
+        _record("all_reduce", a, n, _nbytes(x), x.dtype, counters)
         with torch.no_grad():
             x = _issued(
                 torch.ops._c10d_functional.all_reduce(_contiguous(x), "sum", _group_name(mesh, a))

@@ -1,19 +1,21 @@
 """Functional FSDP forward and backward over any ``nn.Module``.
 
 ``fsdp(module, mesh, ...)`` describes how a module's parameters are sharded and grouped into
-units; ``FSDP.apply(params, *args)`` runs the module with ``torch.func.functional_call``
-semantics on a dict of ``Sharded`` parameters. The module object is never changed: for the
-duration of the call its parameters are swapped (as ``functional_call`` does) and each unit's
-``forward`` is wrapped, and everything is restored before ``apply`` returns.
+units and builds the :class:`~functional_fsdp.fsdp.plan.Plan` once; ``FSDP.apply(params,
+*args, **kwargs)`` runs the module with ``torch.func.functional_call`` semantics on a dict of
+``Sharded`` parameters. The module object is never changed, not even during the call: each
+call runs on its own shallow copies of the module tree (see
+:mod:`functional_fsdp.fsdp.runtime`).
 
 Per unit, in forward: one bucketed all-gather just before the unit runs (the next units'
-gathers are issued asynchronously first, ``prefetch`` deep). With ``reshard_after_forward``
-the gathered storage is freed after the unit, and gathered again in place when backward
-reaches the unit (FSDP2's approach, which works under ``torch.func`` where saved-tensor hooks
-do not). In backward: one bucketed reduce-scatter per unit over the data axes that shard a
-parameter, and an all-reduce over the data axes where it is replicated (the gradient rule).
-On real processes a unit's reduce-scatter stays in flight while the next unit computes its
-backward. A unit called twice in one forward is gathered (and reduced) once per call.
+gathers are issued asynchronously first, ``prefetch`` deep, in module order). With
+``reshard_after_forward`` the gathered storage is freed after the unit, and gathered again in
+place when backward reaches the unit (FSDP2's approach, which works under ``torch.func`` where
+saved-tensor hooks do not). In backward: one bucketed reduce-scatter per unit over the data
+axes that shard a parameter, and an all-reduce over the data axes where it is replicated (the
+gradient rule). A parameter gets a gradient exactly when the caller differentiates its shard:
+frozen parameters (not differentiated) cost no gradient and no reduce-scatter. On real
+processes a unit's reduce-scatter stays in flight while the next unit computes its backward.
 
 :func:`~functional_fsdp.fsdp.memory.track_memory` shows which units' full parameters are alive
 at every step of this; ``count_comms`` shows the collectives.
@@ -22,165 +24,40 @@ at every step of this; ``count_comms`` shows the collectives.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import fnmatch
-import functools
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import optree
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from ..dist.mesh import axis_names, axis_sizes
-from ..dist.simulate import is_simulated
 from ..sharded import Sharded
 from ..sharding import Specs, resolve_specs, shard
 from ..spec import P, format_mesh
-from .memory import Phase, active_trackers
-from .runtime import (
-    Call,
-    InFlight,
-    ReduceFence,
-    Unit,
-    UnitGather,
-    UnitPlan,
-    attach_pre_backward,
-    cast_floating,
-    checkpointed,
-    plan_rounds,
+from . import runtime
+from .plan import Plan, make_plan
+from .policy import ModuleWrapper, Policy, UnitsArg, default_specs, find_units
+
+TrainableArg = Collection[str] | Callable[[str], bool] | None
+
+# FSDP objects inside their no_sync() block, in this thread / task (read once per apply).
+_UNSYNCED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "functional_fsdp_unsynced", default=frozenset()
 )
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True, kw_only=True)
-class MixedPrecision:
-    """Mixed-precision policy (the same knobs as FSDP2's ``MixedPrecisionPolicy``).
-
-    Attributes:
-        param_dtype: dtype of gathered parameters and of compute (``None``: keep the shard's).
-            Shards are cast before the all-gather, so a bf16 gather moves half the bytes.
-        reduce_dtype: dtype of gradient reduction (``None``: ``param_dtype``).
-        output_dtype: dtype the module's floating outputs are cast to (``None``: unchanged).
-        cast_forward_inputs: cast each unit's floating inputs to ``param_dtype``.
-
-    Master shards always keep their own dtype (e.g. fp32); gradients arrive in it.
-
-    Example:
-        >>> import torch
-        >>> bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        >>> Policy(mixed_precision=bf16).mixed_precision.param_dtype
-        torch.bfloat16
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class Policy:
-    """How units are gathered, freed and reduced.
-
-    Attributes:
-        reshard_after_forward: free gathered parameters after each unit's forward and gather
-            them again in backward (ZeRO-3, the default); ``False`` keeps them until backward
-            (ZeRO-2 / "shard grad op"), one all-gather per unit instead of two.
-        prefetch: how many next units' all-gathers are issued ahead, in forward and backward.
-        mixed_precision: see :class:`MixedPrecision`.
-        checkpoint: recompute each unit's activations in backward (activation checkpointing):
-            ``True`` for every unit, or a predicate on the unit name.
-        grad_reduce: ``"mean"`` averages gradients over the data-parallel ranks (DDP/FSDP
-            semantics: a per-rank mean loss gives the global-batch mean gradient); ``"sum"``
-            adds them.
-
-    Example:
-        >>> Policy(reshard_after_forward=False, prefetch=2)  # ZeRO-2, two units ahead
-        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean')
-    """
-
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
-    checkpoint: bool | Callable[[str], bool] = False
-    grad_reduce: Literal["mean", "sum"] = "mean"
-
-
-ForwardWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
-UnitsArg = type | tuple[type, ...] | Sequence[str] | Callable[[str, nn.Module], bool] | None
-
-
-def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
-    """Module paths of the units (outermost matches; the root is implicit).
-
-    ``units`` may be a module type (or tuple of types), a list of module paths or fnmatch
-    patterns (``"blocks.*"``), or a predicate ``fn(path, module) -> bool``. The default picks
-    the children of every ``nn.ModuleList``/``nn.Sequential``, one unit per transformer block.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-        >>> find_units(model, nn.Linear)
-        ['0', '2']
-    """
-    named = [(p, m) for p, m in module.named_modules() if p]
-    if units is None:
-        containers = {
-            p for p, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-        }
-
-        def match(path: str, m: nn.Module) -> bool:
-            parent = path.rpartition(".")[0]
-            return parent in containers and any(True for _ in m.parameters())
-
-    elif isinstance(units, type) or (
-        isinstance(units, tuple) and all(isinstance(u, type) for u in units)
-    ):
-
-        def match(path: str, m: nn.Module) -> bool:
-            return isinstance(m, units)  # type: ignore[arg-type]
-
-    elif callable(units):
-        match = units  # type: ignore[assignment]
-    else:
-        patterns = list(units)  # type: ignore[arg-type]
-        for pat in patterns:
-            if not any(fnmatch.fnmatchcase(p, pat) for p, _ in named):
-                raise ValueError(
-                    f"unit pattern {pat!r} matches no submodule of {type(module).__name__}; "
-                    f"module paths look like {[p for p, _ in named[:6]]}"
-                )
-
-        def match(path: str, m: nn.Module) -> bool:
-            return any(fnmatch.fnmatchcase(path, pat) for pat in patterns)
-
-    chosen: list[str] = []
-    for path, m in named:
-        if match(path, m) and not any(path.startswith(c + ".") for c in chosen):
-            chosen.append(path)
-    return chosen
-
-
-# --------------------------------------------------------------------------- the FSDP object
-
-
-def default_specs(mesh: DeviceMesh, data_axes: Sequence[str]) -> Callable[[str, torch.Tensor], P]:
-    """Shard dim 0 over the data axes that shard (all but ``"replicate"``); scalars replicate."""
-    shard_axes = tuple(a for a in data_axes if a != "replicate")
-
-    def rule(path: str, t: torch.Tensor) -> P:
-        return P(shard_axes) if t.ndim >= 1 and shard_axes else P()
-
-    return rule
 
 
 @dataclass(frozen=True, eq=False)
 class FSDP:
-    """A module's sharding: specs, units and policy. Build it with :func:`fsdp`.
+    """A module's sharding: specs, units and policy, and the plan built from them.
+
+    Build it with :func:`fsdp`. It is immutable: ``dataclasses.replace(sharded_model,
+    policy=...)`` gives a new description with its own plan.
 
     Attributes:
         module: the ``nn.Module`` (never modified).
@@ -189,8 +66,12 @@ class FSDP:
         units: module paths of the units (the root unit holds every other parameter).
         policy: see :class:`Policy`.
         specs: the parameter layout: a ``P``, a ``{name: P}`` dict, or a rule.
-        wrappers: ``(module path, wrapper)`` pairs: during :meth:`apply` the submodule's
-            ``forward`` is replaced by ``wrapper(forward)`` (tensor-parallel styles use this).
+        wrappers: ``(module path, wrapper)`` pairs: during :meth:`apply`,
+            ``wrapper(module, forward)`` replaces the forward of that submodule's per-call
+            copy (tensor-parallel styles use this).
+        trainable_override: the names of the trainable parameters, or a predicate on the
+            name; ``None``: those with ``requires_grad`` (read when :attr:`trainable` is).
+        plan: the plan (derived; never passed).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -207,32 +88,97 @@ class FSDP:
     units: tuple[str, ...]
     policy: Policy
     specs: Specs
-    wrappers: tuple[tuple[str, ForwardWrapper], ...] = ()
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    wrappers: tuple[tuple[str, ModuleWrapper], ...] = ()
+    trainable_override: TrainableArg = None
+    plan: Plan = field(init=False, repr=False)
+    _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
+    _sizes: dict[str, int] = field(init=False, repr=False)
+    _other_plans: dict[tuple[P, ...], Plan] = field(init=False, repr=False)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Inside the block, :meth:`apply` reduces no gradients over the data axes.
-
-        For gradient accumulation with parameters already gathered over the data axes
-        (``train_step(accumulate_mode="local")`` does this): each rank's gradients stay
-        local and unreduced until the caller reduces them once. Parameters still sharded
-        over a data axis raise, since their gradient could not be returned unreduced.
-        """
-        previous = self._cache.get("sync", True)
-        self._cache["sync"] = False
-        try:
-            yield
-        finally:
-            self._cache["sync"] = previous
-
-    def param_specs(self) -> dict[str, P]:
-        """``{parameter name: P}`` for the module's parameters (tied ones once)."""
+    def __post_init__(self) -> None:
+        sizes = axis_sizes(self.mesh)
         params = dict(self.module.named_parameters())
         # resolve_specs follows optree's leaf order (sorted keys), not the dict's order.
         paths = optree.tree_paths(params, none_is_leaf=True)  # type: ignore[arg-type]
-        specs = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
-        return {name: specs[name] for name in params}  # type: ignore[misc]
+        resolved = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "_other_plans", {})
+        object.__setattr__(self, "plan", self._make_plan({n: resolved[n] for n in params}))
+        object.__setattr__(
+            self, "_modules", tuple(self.module.named_modules(remove_duplicate=False))
+        )
+
+    def _make_plan(self, specs: dict[str, P | None]) -> Plan:
+        return make_plan(
+            self.module,
+            self._sizes,
+            specs,  # type: ignore[arg-type]
+            self.units,
+            self.data_axes,
+            self.policy.mixed_precision.param_dtype,
+        )
+
+    @property
+    def trainable(self) -> frozenset[str]:
+        """Names of the trainable parameters (first alias of tied ones).
+
+        By default those with ``requires_grad=True``, read from the module now (so a layer
+        unfrozen after :func:`fsdp` counts); ``fsdp(trainable=...)`` overrides it. Pass it to
+        :func:`functional_fsdp.partition` or ``TrainState.create(trainable=...)``.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+            >>> _ = model[0].requires_grad_(False)
+            >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+            ...     sorted(ff.fsdp(model, mesh).trainable)
+            ['1.bias', '1.weight']
+        """
+        override = self.trainable_override
+        names = [n for n, _ in self.module.named_parameters()]
+        if override is None:
+            return frozenset(n for n, p in self.module.named_parameters() if p.requires_grad)
+        if callable(override):
+            return frozenset(n for n in names if override(n))
+        unknown = sorted(set(override) - set(names))
+        if unknown:
+            raise ValueError(
+                f"fsdp(trainable=...) names {unknown[:5]}, which are not parameters of "
+                f"{type(self.module).__name__} (names look like {names[:4]})."
+            )
+        return frozenset(override)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside the block, this model's :meth:`apply` reduces no gradients over the data axes.
+
+        Equivalent to ``Policy(grad_reduce="none")`` for the calls made inside the block (in
+        this thread or task only; nothing is stored on the object). For gradient
+        accumulation with parameters already gathered over the data axes
+        (``train_step(accumulate_mode="local")`` does this): each rank's gradients stay
+        local until the caller reduces them once. Differentiated parameters still sharded
+        over a data axis raise, since their gradient could not be returned unreduced.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+            ...     sharded_model = ff.fsdp(model, mesh, specs=ff.P())  # replicated
+            ...     params = sharded_model.shard()
+            ...     with sharded_model.no_sync(), ff.count_comms() as comms:
+            ...         _ = torch.func.grad(lambda p: sharded_model.apply(p, torch.ones(1, 2)).sum())(params)
+            ...     comms.count()
+            0
+        """
+        token = _UNSYNCED.set(_UNSYNCED.get() | {id(self)})
+        try:
+            yield
+        finally:
+            _UNSYNCED.reset(token)
+
+    def param_specs(self) -> dict[str, P]:
+        """``{parameter name: P}`` for the module's parameters (tied ones once)."""
+        return dict(self.plan.specs)
 
     def shard(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, Sharded]:
         """Shard the module's parameters (or ``params``, a ``{name: tensor}`` dict).
@@ -250,305 +196,86 @@ class FSDP:
         buffers: dict[str, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the module on ``args`` with sharded ``params`` (a pure function of its inputs).
+        """Run the module on ``args``/``kwargs`` with sharded ``params`` (a pure function).
 
         Works under plain autograd and inside ``torch.func.grad``/``grad_and_value``/``vjp``;
-        gradients arrive as ``Sharded`` values with the parameters' layouts.
+        gradients arrive as ``Sharded`` values with the parameters' layouts, for the
+        parameters the caller differentiates. Outputs may be any pytree torch knows
+        (tuples, dicts, ``transformers``' ``ModelOutput``, dataclasses).
 
         ``buffers`` (``{name: tensor}``) replaces the module's buffers for this call, as in
         ``torch.func.functional_call``; buffers are never sharded. Python control flow that
         skips a unit must agree on every rank (its collectives are skipped too).
         """
-        static = self._static(params)
-        plans, placeholders, modules = static.plans, static.placeholders, static.modules
-        trackers = active_trackers()
-        in_flight = InFlight()
-        units = {
-            name: Unit(
-                plan,
-                self.mesh,
-                self.policy,
-                self.data_axes,
-                _locals(params, plan),
-                trackers,
-                in_flight,
-            )
-            for name, plan in plans.items()
-        }
-        if not is_simulated() and not torch.is_anomaly_enabled():
-            # Before any gather, one fence over every shard: see ReduceFence.
-            # Only shards being differentiated: a frozen one must not turn into one that
-            # requires grad (an autograd.Function's outputs all do when any input does).
-            live = [s for u in units.values() for s in u.shards if s.requires_grad]
-            fenced = iter(ReduceFence.apply(in_flight, *live)) if live else iter(())
-            for unit_state in units.values():
-                unit_state.defer = True
-                unit_state.shards = [
-                    next(fenced) if s.requires_grad else s for s in unit_state.shards
-                ]
-        if not self._cache.get("sync", True):
-            for unit_state in units.values():
-                unit_state.sync = False
-                if unit_state.plan.rounds:
-                    first = unit_state.plan.rounds[0]
-                    name = unit_state.plan.names[first.pieces[0].index]
-                    raise ValueError(
-                        f"FSDP.no_sync(): params[{name!r}] ({params[name].spec}) is still sharded "
-                        f"over data axis {first.axis!r}, so its gradient cannot stay "
-                        f"unreduced. Gather the data axes first (train_step(accumulate_mode="
-                        f"'local') does), or call apply outside no_sync()."
-                    )
-        calls: list[Call] = []  # this step's unit invocations, in order
-        planned: list[str] = self._cache.get("order") or list(self.units)  # the last step's
-        depth = self.policy.prefetch
-        reshard = self.policy.reshard_after_forward
-        mp = self.policy.mixed_precision
-        accessor = NamedMemberAccessor(self.module)
-
-        def note_compute(unit: str, phase: Phase) -> None:
-            for tracker in trackers:
-                tracker._record("compute", unit, phase, 0, -1)
-
-        def gather(call: Call) -> dict[str, torch.Tensor]:
-            outs = UnitGather.apply(call, *call.unit.shards)
-            aliases = call.unit.plan.aliases
-            return {alias: t for names, t in zip(aliases, outs) for alias in names}
-
-        def prefetch_forward(position: int) -> None:
-            """Issue the all-gathers of the calls that followed ``position`` in the last step."""
-            for name in planned[position + 1 : position + 1 + depth]:
-                if name in units:
-                    units[name].prefetch("forward")
-
-        def backward_hook(call: Call, position: int) -> Callable[[], None]:
-            """Before ``call``'s backward: gather it again, and prefetch the calls before it."""
-
-            def hook() -> None:
-                call.regather()
-                for earlier in calls[max(0, position - depth) : position][::-1]:
-                    if earlier.hooked:
-                        earlier.unit.prefetch("backward")
-                note_compute(call.unit.plan.name, "backward")
-
-            return hook
-
-        def wrap(unit: str, original: Callable[..., Any]) -> Callable[..., Any]:
-            ckpt = self.policy.checkpoint
-            use_ckpt = ckpt(unit) if callable(ckpt) else bool(ckpt)
-
-            def forward(*a: Any, **kw: Any) -> Any:
-                call = Call(units[unit], len(calls))
-                calls.append(call)
-                tensors = gather(call)
-                if call.position < len(planned) and planned[call.position] == unit:
-                    prefetch_forward(call.position)
-                note_compute(unit, "forward")
-                if mp.cast_forward_inputs:
-                    a, kw = cast_floating((a, kw), mp.param_dtype)
-                names = list(tensors)
-                try:
-                    accessor.swap_tensors_dict(tensors)
-                    if use_ckpt:
-                        out = checkpointed(
-                            with_wrappers(original), names, list(tensors.values()), accessor, a, kw
-                        )
-                    else:
-                        out = original(*a, **kw)
-                finally:
-                    accessor.swap_tensors_dict({n: placeholders[n] for n in names})
-                if reshard:
-                    call.free("forward")
-                    out, call.hooked = attach_pre_backward(out, backward_hook(call, call.position))
-                return out
-
-            return forward
-
-        restored = [False]
-
-        def with_wrappers(fn: Callable[..., Any]) -> Callable[..., Any]:
-            # A checkpointed unit recomputes in backward, after apply has restored the module:
-            # install the forward wrappers (tensor-parallel styles) again around the recompute.
-            def call(*a: Any, **kw: Any) -> Any:
-                if not restored[0] or not self.wrappers:
-                    return fn(*a, **kw)
-                with _forwards_wrapped(modules, self.wrappers):
-                    return fn(*a, **kw)
-
-            return call
-
-        root = Call(units[""], -1) if "" in units else None
-        # Inner wrappers first (e.g. tensor-parallel styles), then the unit gathers.
-        unit_wrappers = [(unit, functools.partial(wrap, unit)) for unit in self.units]
-        try:
-            with _forwards_wrapped(modules, [*self.wrappers, *unit_wrappers]):
-                root_tensors = gather(root) if root is not None else {}
-                prefetch_forward(-1)
-                if root is not None:
-                    note_compute("", "forward")
-                if mp.cast_forward_inputs:
-                    args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
-                tensors = {**placeholders, **root_tensors}
-                if buffers is not None:
-                    tensors.update(buffers)
-                out = torch.func.functional_call(
-                    self.module, tensors, args, kwargs, tie_weights=False, strict=False
-                )
-        finally:
-            restored[0] = True
-            for unit_state in units.values():  # issued ahead for a call that did not come
-                unit_state.drop_prefetch("forward")
-        self._cache["order"] = [c.unit.plan.name for c in calls]
-        if mp.output_dtype is not None:
-            out = cast_floating(out, mp.output_dtype)
-        if reshard and root is not None:
-            root.free("forward")
-            # The root's backward starts first: prefetch the last calls from there.
-            out, root.hooked = attach_pre_backward(out, backward_hook(root, len(calls)))
-        return out
-
-    def _static(self, params: dict[str, Sharded]) -> _Static:
-        """Plans and other per-layout state, built once per parameter layout."""
-        key = tuple(
-            (n, v.global_shape, v.spec, v.dtype)
-            for n, v in params.items()
-            if isinstance(v, Sharded)
+        plan = self._plan_for(params)
+        policy = self.policy
+        if id(self) in _UNSYNCED.get():
+            policy = dataclasses.replace(policy, grad_reduce="none")
+        return runtime.run(
+            plan,
+            self._modules,
+            self.mesh,
+            self._sizes,
+            policy,
+            self.data_axes,
+            self.wrappers,
+            params,
+            args,
+            kwargs,
+            buffers,
         )
-        cached = self._cache.get("static")
-        if cached is not None and cached[0] == key and len(key) == len(params):
-            return cached[1]
-        plans = self._build_plans(params)
-        pd = self.policy.mixed_precision.param_dtype
-        placeholders = {
-            alias: torch.empty(
-                layout.global_shape,
-                dtype=pd if pd is not None and dtype.is_floating_point else dtype,
-                device="meta",
-            )
-            for u, plan in plans.items()
-            if u
-            for aliases, layout, dtype in zip(plan.aliases, plan.layouts, plan.dtypes)
-            for alias in aliases
-        }
-        static = _Static(plans, placeholders, dict(self.module.named_modules()))
-        self._cache["static"] = (key, static)
-        return static
 
-    def _build_plans(self, params: dict[str, Sharded]) -> dict[str, UnitPlan]:
-        module_params = dict(self.module.named_parameters())
-        missing = sorted(set(module_params) - set(params))
-        unexpected = sorted(set(params) - set(module_params))
-        if missing or unexpected:
+    def _plan_for(self, params: Any) -> Plan:
+        """Check ``params`` against the module; the plan for their layout."""
+        expected = self.plan.expected
+        other = False
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"FSDP.apply takes params as a dict {{name: Sharded}} (what FSDP.shard() "
+                f"returns), got a {type(params).__name__}."
+            )
+        if len(params) != len(expected) or any(n not in params for n in expected):
+            missing = sorted(set(expected) - set(params))
+            unexpected = sorted(set(params) - set(expected))
             raise ValueError(
                 f"params do not match {type(self.module).__name__}'s parameters: missing "
                 f"{missing[:5]}, unexpected {unexpected[:5]}. Pass the dict returned by "
-                f"FSDP.shard() (keys are module.named_parameters() names)."
+                f"FSDP.shard() (keys are module.named_parameters() names); to train part of "
+                f"them, combine the parts again: ff.combine(trainable, frozen)."
             )
-        for name, v in params.items():
+        for name, (shape, spec, dtype) in expected.items():
+            v = params[name]
             if not isinstance(v, Sharded):
                 raise TypeError(
                     f"params[{name!r}] is a {type(v).__name__}; FSDP.apply takes Sharded values "
                     f"(use FSDP.shard(), or ff.shard(params, mesh, P()) to replicate)."
                 )
-            if v.mesh != self.mesh:
+            if v.mesh is not self.mesh and v.mesh != self.mesh:
                 raise ValueError(
                     f"params[{name!r}] lives on {format_mesh(axis_sizes(v.mesh))}, but this FSDP "
-                    f"runs on {format_mesh(axis_sizes(self.mesh))}; reshard it onto the same mesh."
+                    f"runs on {format_mesh(self._sizes)}; reshard it onto the same mesh."
                 )
-            for dim in range(v.ndim):
-                entry = v.spec.entry(dim)
-                data = [a for a in entry if a in self.data_axes]
-                model = [a for a in entry if a not in self.data_axes]
-                if data and model and entry.index(data[0]) < entry.index(model[-1]):
-                    raise ValueError(
-                        f"params[{name!r}] (shape {v.global_shape}, {v.spec}, "
-                        f"{format_mesh(axis_sizes(self.mesh))}): data axis {data[0]!r} is major "
-                        f"to model axis {model[-1]!r} in dim {dim}; gathering it would not give a "
-                        f"contiguous block. Put data axes last (minor), e.g. P(('tp', 'dp'))."
-                    )
-        aliases: dict[int, list[str]] = {}
-        first_name: dict[int, str] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-            first_name.setdefault(id(p), name)
-        owner: dict[str, str] = {}
-        for pid, names in aliases.items():
-            units = {_unit_of(n, self.units) for n in names}
-            owner[first_name[pid]] = units.pop() if len(units) == 1 else ""
-        plans: dict[str, UnitPlan] = {}
-        for unit in ["", *self.units]:
-            names = tuple(n for n in module_params if owner[n] == unit)
-            if not names:
-                continue
-            values = tuple(params[n] for n in names)
-            layouts = [v.layout for v in values]
-            pd = self.policy.mixed_precision.param_dtype
-            dtypes = [
-                pd if pd is not None and v.dtype.is_floating_point else v.dtype for v in values
-            ]
-            rounds = plan_rounds(layouts, self.mesh, self.data_axes, dtypes)
-            last_round, full_bytes = [-1] * len(values), [0] * len(values)
-            for r, rnd in enumerate(rounds):
-                for p in rnd.pieces:
-                    last_round[p.index] = r
-                    padded = math.prod(p.padded_shape(rnd.size))
-                    full_bytes[p.index] = padded * rnd.dtype.itemsize
-            plans[unit] = UnitPlan(
-                name=unit,
-                names=names,
-                aliases=tuple(tuple(aliases[id(module_params[n])]) for n in names),
-                layouts=tuple(layouts),
-                dtypes=tuple(v.dtype for v in values),
-                rounds=rounds,
-                last_round=tuple(last_round),
-                gathered_bytes=sum(full_bytes),
-                replicated=tuple(
-                    tuple(a for a in self.data_axes if a not in v.spec.axes) for v in values
-                ),
-            )
-        return plans
-
-
-@dataclass(frozen=True)
-class _Static:
-    """What :meth:`FSDP.apply` needs that depends only on the parameter layout (cached)."""
-
-    plans: dict[str, UnitPlan]
-    placeholders: dict[str, torch.Tensor]  # meta tensors standing in for ungathered params
-    modules: dict[str, nn.Module]
-
-
-def _unit_of(name: str, units: Sequence[str]) -> str:
-    best = ""
-    for u in units:
-        if name.startswith(u + ".") and len(u) > len(best):
-            best = u
-    return best
-
-
-def _locals(params: dict[str, Sharded], plan: UnitPlan) -> list[torch.Tensor]:
-    # A parameter gets a gradient exactly when the caller differentiates its shard.
-    return [params[name].local for name in plan.names]
-
-
-@contextlib.contextmanager
-def _forwards_wrapped(
-    modules: dict[str, nn.Module], wrappers: Sequence[tuple[str, ForwardWrapper]]
-) -> Iterator[None]:
-    """Replace each listed submodule's ``forward`` by ``wrapper(forward)``, in order (later
-    wrappers wrap earlier ones), and restore every one of them on exit."""
-    patched: list[tuple[nn.Module, Any]] = []
-    try:
-        for path, wrapper in wrappers:
-            m = modules[path]
-            patched.append((m, m.__dict__.get("forward")))
-            m.forward = wrapper(m.forward)  # type: ignore[method-assign]
-        yield
-    finally:
-        for m, previous in reversed(patched):
-            if previous is None:
-                del m.forward
-            else:
-                m.forward = previous  # type: ignore[method-assign]
+            if v.global_shape != shape or v.dtype != dtype:
+                raise ValueError(
+                    f"params[{name!r}] is {v.dtype} {v.global_shape} {v.spec.trimmed()}, but "
+                    f"{type(self.module).__name__}'s parameter is {dtype} {shape} "
+                    f"{spec.trimmed()} on {format_mesh(self._sizes)}. Pass the parameters of "
+                    f"this model, sharded by FSDP.shard() (or build ff.fsdp on a module of the "
+                    f"same shapes and dtypes)."
+                )
+            if v.spec != spec and v.spec.padded(len(shape)) != spec:
+                other = True
+        if not other:
+            return self.plan
+        # Another layout (e.g. gathered over the data axes for local accumulation): its own
+        # plan, built once per layout. The plan is a pure function of the layout and of this
+        # (immutable) object, so remembering it changes no result.
+        key = tuple(params[n].spec.padded(len(shape)) for n, (shape, _, _) in expected.items())
+        plan = self._other_plans.get(key)
+        if plan is None:
+            plan = self._make_plan(dict(zip(expected, key)))
+            self._other_plans[key] = plan
+        return plan
 
 
 def fsdp(
@@ -559,7 +286,8 @@ def fsdp(
     units: UnitsArg = None,
     policy: Policy | None = None,
     data_axes: Sequence[str] | None = None,
-    wrappers: Sequence[tuple[str, ForwardWrapper]] = (),
+    wrappers: Sequence[tuple[str, ModuleWrapper]] = (),
+    trainable: TrainableArg = None,
 ) -> FSDP:
     """Describe how to run ``module`` fully sharded over ``mesh``.
 
@@ -568,7 +296,7 @@ def fsdp(
     is DDP; on a ``{"replicate": r, "shard": s}`` mesh the default ``P("shard")`` is HSDP.
 
     Args:
-        module: any ``nn.Module``; it is never modified.
+        module: any ``nn.Module`` (its parameters may be on ``meta``); it is never modified.
         mesh: a named ``DeviceMesh``.
         specs: the parameter layout at rest: a ``P`` for every parameter, a
             ``{name: P}`` dict, or a rule ``fn(name, tensor) -> P``. Default: dim 0 sharded
@@ -576,8 +304,10 @@ def fsdp(
         units: which submodules are gathered as one unit (see :func:`find_units`).
         policy: see :class:`Policy`.
         data_axes: the mesh axes that split the batch (default: every axis but ``"tp"``).
-        wrappers: ``(module path, wrapper)`` pairs applied to submodules' ``forward`` during
-            :meth:`FSDP.apply` only (the module object is restored after every call).
+        wrappers: ``(module path, wrapper)`` pairs; ``wrapper(module, forward) -> forward``
+            is applied to that submodule's per-call copy during :meth:`FSDP.apply`.
+        trainable: which parameters :attr:`FSDP.trainable` lists: names, or a predicate on
+            the name. Default: those with ``requires_grad=True``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -590,6 +320,11 @@ def fsdp(
         ...     torch.allclose(ff.rank_values(y)[0], model(x))
         True
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"ff.fsdp takes an nn.Module, got {type(module).__name__}: pass the model itself, "
+            f"e.g. ff.fsdp(model, mesh)."
+        )
     names = axis_names(mesh)
     if data_axes is None:
         data_axes = tuple(a for a in names if a != "tp")
@@ -606,17 +341,19 @@ def fsdp(
         policy=policy or Policy(),
         specs=specs if specs is not None else default_specs(mesh, data_axes),
         wrappers=_check_wrappers(module, wrappers),
+        trainable_override=trainable,
     )
 
 
 def _check_wrappers(
-    module: nn.Module, wrappers: Sequence[tuple[str, ForwardWrapper]]
-) -> tuple[tuple[str, ForwardWrapper], ...]:
+    module: nn.Module, wrappers: Sequence[tuple[str, ModuleWrapper]]
+) -> tuple[tuple[str, ModuleWrapper], ...]:
     modules = dict(module.named_modules())
     for path, _ in wrappers:
         if path not in modules:
+            close = fnmatch.filter([p for p in modules if p], f"*{path.rpartition('.')[2]}*")
             raise ValueError(
                 f"wrapper for module path {path!r}: {type(module).__name__} has no such submodule "
-                f"(paths look like {[p for p in modules if p][:6]})"
+                f"(paths look like {(close or [p for p in modules if p])[:6]})"
             )
     return tuple(wrappers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,7 @@ from ..dist.mesh import axis_names, axis_sizes
 from ..spec import P, format_mesh
 from .styles import (
     ColwiseParallel,
-    ForwardWrapper,
+    Forward,
     PrepareInput,
     Style,
 )
@@ -65,7 +65,7 @@ class TensorParallel:
     styles: dict[str, Style]
     tp_specs: dict[str, P]
     specs: dict[str, P]
-    wrappers: tuple[tuple[str, ForwardWrapper], ...] = field(repr=False)
+    wrappers: tuple[tuple[str, Callable[[nn.Module, Forward], Forward]], ...] = field(repr=False)
 
 
 def _with_fsdp(spec: P, ndim: int, fsdp_axes: tuple[str, ...]) -> P:
@@ -194,8 +194,20 @@ def tensor_parallel(
         styles={p: s for p, (_, s) in chosen.items()},
         tp_specs={n: tp_specs[n] for n in params},
         specs=specs,
-        wrappers=tuple((p, s.wrap(modules[p], mesh, axis)) for p, (_, s) in chosen.items()),
+        wrappers=tuple((p, _StyleWrapper(s, mesh, axis)) for p, (_, s) in chosen.items()),
     )
+
+
+@dataclass(frozen=True)
+class _StyleWrapper:
+    """``(module, forward) -> forward``: a style applied to the per-call copy of a module."""
+
+    style: Style
+    mesh: DeviceMesh
+    axis: str
+
+    def __call__(self, module: nn.Module, forward: Forward) -> Forward:
+        return self.style.wrap(module, self.mesh, self.axis)(forward)
 
 
 def _prepared_above(path: str, chosen: dict[str, tuple[str, Style]]) -> bool:

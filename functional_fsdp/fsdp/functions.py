@@ -1,0 +1,228 @@
+"""The engine's autograd functions and pytree helpers (private).
+
+The gather (whose backward reduce-scatters), the hooks that gather a unit again before its
+backward and free it after, the fence that finishes the reductions in flight, and activation
+checkpointing written as a plain ``autograd.Function`` (torch's own relies on saved-tensor
+hooks, which ``torch.func`` transforms refuse). Outputs and inputs are traversed as torch's
+pytree sees them (``ModelOutput`` and any registered node), and dataclasses too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from .units import Call, InFlight, _plain
+
+
+class UnitGather(torch.autograd.Function):
+    """Gather one unit's parameters; backward reduce-scatters (and all-reduces) the grads."""
+
+    @staticmethod
+    def forward(call: Call, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        params = call.gather(shards)
+        # Outputs are views, never the tensors the call keeps: an output holds this node, and
+        # the node's ctx holds the call, a reference cycle that Python's collector cannot
+        # see through autograd nodes (it would keep the step's tensors alive for ever).
+        return tuple(t.view_as(t) for t in params)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.call = inputs[0]
+        ctx.dtypes = [t.dtype for t in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        call: Call = ctx.call
+        needs = [ctx.needs_input_grad[1 + i] for i in range(len(grads))]
+        # Communication and bookkeeping on plain tensors, below any torch.func level: the
+        # returned gradients are constants to outer transforms (FSDP is not differentiated
+        # twice), and the transforms' per-op overhead is avoided.
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            call.unit.in_flight.finish()  # the previous unit's reduce-scatter: one in flight
+            plain = [_plain(g) if need and g is not None else None for g, need in zip(grads, needs)]
+            reduced = call.unit.reduce(plain, ctx.dtypes)
+            out = [
+                g if g is None or g.dtype == dtype else g.to(dtype)
+                for g, dtype in zip(reduced, ctx.dtypes)
+            ]
+        call.free("backward")
+        return (None, *out)
+
+
+class PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; in backward, gathers the unit again before it runs.
+
+    The incoming gradients pass on as constants (below any ``torch.func`` level): inside
+    ``torch.func.grad``, whose backward records its own history for higher derivatives, this
+    lets the backward history of the units already done be freed at once instead of at the
+    end of the backward pass. FSDP is not differentiated twice.
+    """
+
+    @staticmethod
+    def forward(hook: Callable[[], None], *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.hook = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.hook()
+        return (None, *(None if g is None else _plain(g) for g in grads))
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; in backward (after the unit's), runs a hook.
+
+    For a unit none of whose parameters is differentiated: no gather backward frees its
+    parameters gathered again for backward, so this does.
+    """
+
+    @staticmethod
+    def forward(hook: Callable[[], None], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.hook = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+class ReduceFence(torch.autograd.Function):
+    """Identity on the differentiated shards; in backward, finishes the reductions in flight.
+
+    Applied before anything else in ``apply``, so its backward node is the oldest and runs
+    last: the gradients that a unit's gather returned, possibly before its reduce-scatter
+    finished, reach the shards only through it (and are complete by then).
+    """
+
+    @staticmethod
+    def forward(in_flight: InFlight, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(s.view_as(s) for s in shards)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.in_flight = inputs[0]  # (not the units: they hold this node's outputs, a cycle)
+        ctx.set_materialize_grads(False)  # a shard whose unit did not run keeps no gradient
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.in_flight.finish()
+        return (None, *grads)
+
+
+def attach(
+    fn: type[torch.autograd.Function], tree: Any, hook: Callable[[], None]
+) -> tuple[Any, bool]:
+    """``tree`` with ``fn`` applied to its tensors that require grad; and whether any did."""
+    leaves, treedef = flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not idx:
+        return tree, False
+    wrapped = fn.apply(hook, *(leaves[i] for i in idx))
+    for i, w in zip(idx, wrapped):
+        leaves[i] = w
+    return torch_pytree.tree_unflatten(leaves, treedef), True
+
+
+def _is_opaque_dataclass(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def flatten(tree: Any) -> tuple[list[Any], torch_pytree.TreeSpec]:
+    """Flatten as torch's pytree does (``ModelOutput`` and any registered node), also
+    seeing into dataclasses that nobody registered."""
+    leaves, treedef = torch_pytree.tree_flatten(tree)
+    if not any(_is_opaque_dataclass(x) for x in leaves):
+        return leaves, treedef
+    expanded = [_DataclassNode.of(x) if _is_opaque_dataclass(x) else x for x in leaves]
+    return torch_pytree.tree_flatten(torch_pytree.tree_unflatten(expanded, treedef))
+
+
+class _DataclassNode:
+    """A dataclass instance seen as a pytree node (its init fields are the children)."""
+
+    def __init__(self, value: Any, names: tuple[str, ...], children: list[Any]):
+        self.value, self.names, self.children = value, names, children
+
+    @staticmethod
+    def of(value: Any) -> _DataclassNode:
+        names = tuple(f.name for f in dataclasses.fields(value) if f.init)
+        return _DataclassNode(value, names, [getattr(value, n) for n in names])
+
+    def rebuild(self, children: list[Any]) -> Any:
+        return dataclasses.replace(self.value, **dict(zip(self.names, children)))
+
+
+torch_pytree.register_pytree_node(
+    _DataclassNode,
+    lambda node: (node.children, (node.value, node.names)),
+    lambda children, ctx: _DataclassNode(ctx[0], ctx[1], list(children)).rebuild(list(children)),
+    serialized_type_name="functional_fsdp._DataclassNode",
+)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor (other leaves kept), as :func:`flatten` sees it."""
+    leaves, treedef = flatten(tree)
+    return torch_pytree.tree_unflatten(
+        [fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], treedef
+    )
+
+
+def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
+    """Cast the floating tensors of ``tree`` (``ModelOutput`` and dataclasses too)."""
+    if dtype is None:
+        return tree
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
+
+
+class Checkpoint(torch.autograd.Function):
+    """Run ``fn(*flat)`` without keeping activations; recompute them in backward.
+
+    Written as a plain ``autograd.Function`` because torch's checkpoint relies on saved-tensor
+    hooks (refused inside ``torch.func`` transforms) or lacks ``setup_context``.
+    """
+
+    @staticmethod
+    def forward(fn: Callable[..., Any], *flat: Any) -> Any:  # type: ignore[override]
+        with torch.no_grad():
+            return fn(*flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.fn = inputs[0]
+        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs[1:]]
+        ctx.save_for_backward(*(x for x in inputs[1:] if isinstance(x, torch.Tensor)))
+        ctx.others = [x for x in inputs[1:] if not isinstance(x, torch.Tensor)]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        flat = [next(tensors) if is_t else next(others) for is_t in ctx.is_tensor]
+        diff = [i for i, is_t in enumerate(ctx.is_tensor) if is_t and ctx.needs_input_grad[1 + i]]
+
+        def recompute(*xs: torch.Tensor) -> Any:
+            args = list(flat)
+            for i, x in zip(diff, xs):
+                args[i] = x
+            return ctx.fn(*args)
+
+        # torch.func.vjp works both under plain autograd and inside torch.func transforms.
+        out, vjp_fn = torch.func.vjp(recompute, *(flat[i] for i in diff))
+        got = vjp_fn(grads if isinstance(out, tuple) else grads[0])
+        result: list[Any] = [None] * len(flat)
+        for i, g in zip(diff, got):
+            result[i] = g
+        return (None, *result)

@@ -1,0 +1,151 @@
+"""What the FSDP engine is told: the mixed-precision and gathering policy, and the units.
+
+A :class:`Policy` is plain immutable data; :func:`find_units` turns a ``units=`` argument into
+module paths. Both feed :func:`functional_fsdp.fsdp.plan.make_plan`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..spec import P
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Mixed-precision policy (the same knobs as FSDP2's ``MixedPrecisionPolicy``).
+
+    Attributes:
+        param_dtype: dtype of gathered parameters and of compute (``None``: keep the shard's).
+            Shards are cast before the all-gather, so a bf16 gather moves half the bytes.
+        reduce_dtype: dtype of gradient reduction (``None``: ``param_dtype``).
+        output_dtype: dtype the module's floating outputs are cast to (``None``: unchanged).
+        cast_forward_inputs: cast each unit's floating inputs to ``param_dtype``.
+
+    Master shards always keep their own dtype (e.g. fp32); gradients arrive in it.
+
+    Example:
+        >>> import torch
+        >>> bf16 = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> Policy(mixed_precision=bf16).mixed_precision.param_dtype
+        torch.bfloat16
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How units are gathered, freed and reduced.
+
+    Attributes:
+        reshard_after_forward: free gathered parameters after each unit's forward and gather
+            them again in backward (ZeRO-3, the default); ``False`` keeps them until backward
+            (ZeRO-2 / "shard grad op"), one all-gather per unit instead of two.
+        prefetch: how many next units' all-gathers are issued ahead, in forward and backward.
+        mixed_precision: see :class:`MixedPrecision`.
+        checkpoint: recompute each unit's activations in backward (activation checkpointing):
+            ``True`` for every unit, or a predicate on the unit name.
+        grad_reduce: ``"mean"`` averages gradients over the data-parallel ranks (DDP/FSDP
+            semantics: a per-rank mean loss gives the global-batch mean gradient); ``"sum"``
+            adds them; ``"none"`` reduces nothing over the data axes, each rank keeping its
+            own local gradient (for local gradient accumulation, like FSDP2's
+            ``set_requires_gradient_sync(False)``: parameters must then be replicated over
+            the data axes, e.g. gathered once for the step).
+
+    Example:
+        >>> Policy(reshard_after_forward=False, prefetch=2)  # ZeRO-2, two units ahead
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean')
+    """
+
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    checkpoint: bool | Callable[[str], bool] = False
+    grad_reduce: Literal["mean", "sum", "none"] = "mean"
+
+    def __post_init__(self) -> None:
+        if self.grad_reduce not in ("mean", "sum", "none"):
+            raise ValueError(
+                f"Policy(grad_reduce={self.grad_reduce!r}): use 'mean' (FSDP/DDP), 'sum' or "
+                f"'none' (no reduction over the data axes)."
+            )
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"Policy(prefetch={self.prefetch!r}): use an int >= 0.")
+
+
+Forward = Callable[..., Any]
+ModuleWrapper = Callable[[nn.Module, Forward], Forward]
+"""``wrapper(module, forward) -> forward``: called per ``apply`` with the call's own copy of the
+module (so attributes it sets last one call) and the forward to wrap."""
+UnitsArg = type | tuple[type, ...] | Sequence[str] | Callable[[str, nn.Module], bool] | None
+
+
+def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
+    """Module paths of the units (outermost matches; the root is implicit).
+
+    ``units`` may be a module type (or tuple of types), a list of module paths or fnmatch
+    patterns (``"blocks.*"``), or a predicate ``fn(path, module) -> bool``. The default picks
+    the children of every ``nn.ModuleList``/``nn.Sequential``, one unit per transformer block.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> find_units(model, nn.Linear)
+        ['0', '2']
+    """
+    named = [(p, m) for p, m in module.named_modules() if p]
+    if units is None:
+        containers = {
+            p for p, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+        }
+
+        def match(path: str, m: nn.Module) -> bool:
+            parent = path.rpartition(".")[0]
+            return parent in containers and any(True for _ in m.parameters())
+
+    elif isinstance(units, type) or (
+        isinstance(units, tuple) and all(isinstance(u, type) for u in units)
+    ):
+
+        def match(path: str, m: nn.Module) -> bool:
+            return isinstance(m, units)  # type: ignore[arg-type]
+
+    elif callable(units):
+        match = units  # type: ignore[assignment]
+    else:
+        patterns = list(units)  # type: ignore[arg-type]
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(p, pat) for p, _ in named):
+                raise ValueError(
+                    f"unit pattern {pat!r} matches no submodule of {type(module).__name__}; "
+                    f"module paths look like {[p for p, _ in named[:6]]}"
+                )
+
+        def match(path: str, m: nn.Module) -> bool:
+            return any(fnmatch.fnmatchcase(path, pat) for pat in patterns)
+
+    chosen: list[str] = []
+    for path, m in named:
+        if match(path, m) and not any(path.startswith(c + ".") for c in chosen):
+            chosen.append(path)
+    return chosen
+
+
+def default_specs(mesh: DeviceMesh, data_axes: Sequence[str]) -> Callable[[str, torch.Tensor], P]:
+    """Shard dim 0 over the data axes that shard (all but ``"replicate"``); scalars replicate."""
+    shard_axes = tuple(a for a in data_axes if a != "replicate")
+
+    def rule(path: str, t: torch.Tensor) -> P:
+        return P(shard_axes) if t.ndim >= 1 and shard_axes else P()
+
+    return rule

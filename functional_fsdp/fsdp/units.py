@@ -1,0 +1,385 @@
+"""Per-call state of the FSDP engine (private): one :class:`Unit` per unit and ``apply``.
+
+* :class:`Context`: what the units of one call share (mesh, policy, accounting).
+* :class:`Unit`: a unit's shards and the all-gathers issued ahead (prefetch); it gathers
+  (bucketed rounds) and reduces (bucketed reduce-scatter, all-reduce over replicated data
+  axes, FSDP2's division rule).
+* :class:`Call`: one invocation of a unit: the gathered tensors, freed and gathered again in
+  place.
+* :class:`InFlight`: the reduce-scatters left in flight, finished by the next unit's backward,
+  by the fence, or at the end of the backward pass at the latest.
+
+Communication goes through :mod:`functional_fsdp.dist.collectives`; everything here runs on
+plain tensors below any ``torch.func`` level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..dist import collectives as C
+from .memory import EventKind, MemoryTracker, Phase
+from .plan import Piece, Round, UnitPlan
+from .policy import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every unit of one ``apply`` call shares: settings and the accounting it reports to."""
+
+    mesh: DeviceMesh
+    sizes: dict[str, int]
+    policy: Policy
+    data_axes: tuple[str, ...]
+    counters: tuple[C.CommCounter, ...]  # read once, when the call starts
+    trackers: tuple[MemoryTracker, ...]
+    simulated: bool
+
+    @property
+    def sync(self) -> bool:
+        return self.policy.grad_reduce != "none"
+
+
+# --------------------------------------------------------------------------- per-call state
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under any ``torch.func`` wrappers (for communication outside autograd)."""
+    func = torch._C._functorch
+    while func.is_functorch_wrapped_tensor(t):
+        t = func.get_unwrapped(t)
+    return t
+
+
+def _as_leading(t: torch.Tensor, piece: Piece, n: int) -> torch.Tensor:
+    """View a padded full tensor as ``[n, *local_shape]``: rank ``r``'s block at index ``r``."""
+    d, shape = piece.dim, piece.local_shape
+    return t.view(*shape[:d], n, shape[d], *shape[d + 1 :]).movedim(d, 0)
+
+
+def divide_factors(factor: int, dtype: torch.dtype) -> tuple[int, float]:
+    """``(pre, post)``: divide gradients by ``pre`` before the reduction, ``post`` after.
+
+    As FSDP2 does: fp32/bf16 cannot overflow a sum over ranks, so everything is divided
+    after; narrower types (fp16) are divided by about ``sqrt(factor)`` on each side.
+    """
+    if factor == 1 or dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return 1, float(factor)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return pre, factor / pre
+
+
+_TOKENS = itertools.count()
+
+
+class Unit:
+    """A unit's state during one ``apply`` call and its backward (never shared between calls).
+
+    Holds the shards and the all-gathers issued ahead (prefetch). Each invocation of the unit
+    (a module may run several times in one forward) gets its own :class:`Call`.
+    """
+
+    def __init__(
+        self, plan: UnitPlan, ctx: Context, shards: list[torch.Tensor], in_flight: InFlight
+    ):
+        self.plan, self.ctx = plan, ctx
+        self.shards = shards  # the locals, as passed to the gather (maybe torch.func-wrapped)
+        # Reductions in flight, shared by the units of one apply: finished by the next
+        # unit's backward (one in flight at a time), by the fence, or at the end of backward.
+        self.in_flight = in_flight
+        self.defer = False  # reduce-scatters may be left in flight (set by run)
+        self.differentiated = any(s.requires_grad for s in shards)
+        self.calls = 0  # invocations in this forward
+        self.prefetched: dict[int, torch.Tensor] = {}  # round index -> async all-gather result
+        self.token = next(_TOKENS)  # names this unit's prefetched buffers in memory trackers
+
+    def note(self, kind: EventKind, phase: Phase, key: int, replaces: int | None = None) -> None:
+        for tracker in self.ctx.trackers:
+            tracker._record(kind, self.plan.name, phase, self.plan.gathered_bytes, key, replaces)
+
+    def gather_dtype(self, t: torch.Tensor) -> torch.dtype:
+        pd = self.ctx.policy.mixed_precision.param_dtype
+        return pd if pd is not None and t.is_floating_point() else t.dtype
+
+    def prefetch(self, phase: Phase) -> None:
+        """Issue the first-round all-gathers asynchronously (no wait)."""
+        if self.prefetched or not self.plan.rounds:
+            return
+        plain = [_plain(s) for s in self.shards]
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            for r, rnd in enumerate(self.plan.rounds):
+                if rnd.first:
+                    inputs = [plain[p.index] for p in rnd.pieces]
+                    self.prefetched[r] = self._issue(rnd, [t.to(rnd.dtype) for t in inputs])
+        self.note("prefetch", phase, self.token)
+
+    def drop_prefetch(self, phase: Phase) -> None:
+        """Wait for and discard an all-gather issued ahead for a call that did not come."""
+        if self.prefetched:
+            for pending in self.prefetched.values():
+                C.wait(pending)
+            self.prefetched.clear()
+            self.note("free", phase, self.token)
+
+    def _issue(self, rnd: Round, inputs: list[torch.Tensor]) -> torch.Tensor:
+        flat = (
+            inputs[0].reshape(-1)
+            if len(inputs) == 1
+            else torch.cat([t.reshape(-1) for t in inputs])
+        )
+        return C.raw_all_gather(flat, self.ctx.mesh, rnd.axis, counters=self.ctx.counters)
+
+    def gather(
+        self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """All gather rounds on plain tensors: ``(padded full tensors, parameters)``.
+
+        The parameters are the padded full tensors with the padding cut off (views), or
+        the shards themselves where nothing is gathered. ``into`` gives the padded full
+        tensors to write (the regather in backward); otherwise they are allocated.
+        """
+        plan = self.plan
+        current = [
+            s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in shards
+        ]
+        full: list[torch.Tensor | None] = [None] * len(current)
+        for r, rnd in enumerate(plan.rounds):
+            pending = self.prefetched.pop(r, None)
+            if pending is None:
+                pending = self._issue(rnd, [current[p.index] for p in rnd.pieces])
+            gathered = C.wait(pending)  # [n, sum of the pieces' local numels]
+            n = rnd.size
+            if len(rnd.pieces) == 1 and rnd.pieces[0].dim == 0 and into is None and n > 1:
+                outs = [gathered.view(rnd.pieces[0].padded_shape(n))]  # already in place
+            else:
+                outs = [
+                    into[p.index]  # type: ignore[misc]
+                    if into is not None and plan.last_round[p.index] == r
+                    else gathered.new_empty(p.padded_shape(n))
+                    for p in rnd.pieces
+                ]
+                _copy_out(gathered, rnd, outs)
+            for p, out in zip(rnd.pieces, outs):
+                full[p.index] = out
+                padded = out.shape[p.dim] != p.gathered_len
+                current[p.index] = out.narrow(p.dim, 0, p.gathered_len) if padded else out
+        self.prefetched.clear()
+        return full, current
+
+    def reduce(
+        self, grads: list[torch.Tensor | None], dtypes: Sequence[torch.dtype]
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatter (and all-reduce) plain gradients onto the shards' layouts.
+
+        When the unit needs one reduce-scatter and nothing after it, the reduce-scatter is left
+        in flight (``self.in_flight``) and the returned gradients are filled in when it is
+        finished; the fence and the end-of-backward callback make sure of that.
+        """
+        plan, ctx = self.plan, self.ctx
+        mp = ctx.policy.mixed_precision
+        reduce_dtype = mp.reduce_dtype or mp.param_dtype
+        current = [
+            g.to(reduce_dtype)
+            if g is not None and reduce_dtype is not None and g.is_floating_point()
+            else g
+            for g in grads
+        ]
+        needed = [i for i, g in enumerate(current) if g is not None]
+        if not needed:
+            return current
+        sizes = ctx.sizes
+        factor = 1
+        if ctx.policy.grad_reduce == "mean" and ctx.sync:
+            factor = math.prod(sizes[a] for a in ctx.data_axes)
+        pre, post = divide_factors(factor, current[needed[0]].dtype)  # type: ignore[union-attr]
+        incoming = {id(g) for g in grads}
+        if pre != 1:  # narrow dtypes: divide before the sum can overflow (new buffers)
+            current = [g / pre if g is not None else g for g in current]
+            incoming = set()
+        rounds = [rnd for rnd in reversed(plan.rounds) if any(i in needed for i in _indices(rnd))]
+        all_reduce = ctx.sync and any(sizes[a] > 1 for i in needed for a in plan.replicated[i])
+        # Deferred only for a unit called once: the gradients of several calls are summed
+        # (read) by autograd as soon as they arrive.
+        defer = (
+            self.defer
+            and self.calls == 1
+            and len(rounds) == 1
+            and not all_reduce
+            and all(current[i].dtype == dtypes[i] for i in needed)  # type: ignore[union-attr]
+        )
+        for rnd in rounds:
+            pieces = [p for p in rnd.pieces if current[p.index] is not None]
+            n = rnd.size
+            inputs: list[torch.Tensor] = [current[p.index] for p in pieces]  # type: ignore[misc]
+            if all(p.chunked for p in pieces):
+                flat = torch._chunk_cat(inputs, dim=0, num_chunks=n)  # pads, one copy
+            else:
+                rows = []
+                for p, g in zip(pieces, inputs):
+                    full = g.new_zeros(p.padded_shape(n))
+                    full.narrow(p.dim, 0, p.gathered_len).copy_(g)
+                    rows.append(_as_leading(full, p, n).reshape(n, -1))
+                flat = torch.cat(rows, dim=1)
+            if defer:
+                reduced, finish = C.raw_reduce_scatter_start(
+                    flat, ctx.mesh, rnd.axis, counters=ctx.counters
+                )
+                self.in_flight.add(_finisher(finish, reduced, post))
+            else:
+                reduced = C.wait(
+                    C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters)
+                )
+            offset = 0
+            for p in pieces:
+                numel = math.prod(p.local_shape)
+                current[p.index] = reduced[offset : offset + numel].view(p.local_shape)
+                offset += numel
+        if defer:
+            return current
+        if ctx.sync:
+            _all_reduce_replicated(current, plan.replicated, ctx)
+        if post != 1:
+            mine = [g for g in current if g is not None and id(g) not in incoming]
+            torch._foreach_div_(mine, post)  # our own buffers: in place, one call
+            current = [g / post if g is not None and id(g) in incoming else g for g in current]
+        return current
+
+
+class InFlight:
+    """Reductions left in flight by the units of one ``apply`` (finished in issue order).
+
+    An object, not a list: ``torch.func`` rebuilds the containers among a Function's inputs.
+    """
+
+    def __init__(self) -> None:
+        self.finishers: list[Callable[[], None]] = []
+        self.callback_queued = False
+
+    def add(self, finisher: Callable[[], None]) -> None:
+        self.finishers.append(finisher)
+        if not self.callback_queued:
+            # Whatever part of the graph a backward runs (autograd.grad over a subset of the
+            # inputs, or a backward that never reaches the fence), nothing stays in flight
+            # after it: the engine calls this when the backward pass ends.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.callback_queued = True
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        self.finish()
+
+    def finish(self) -> None:
+        while self.finishers:
+            self.finishers.pop(0)()
+
+
+def _indices(rnd: Round) -> list[int]:
+    return [p.index for p in rnd.pieces]
+
+
+def _finisher(finish: Callable[[], None], out: torch.Tensor, post: float) -> Callable[[], None]:
+    def done() -> None:
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            finish()
+            if post != 1:
+                out.div_(post)
+
+    return done
+
+
+class Call:
+    """One invocation of a unit: its gathered parameters, freed and gathered again in place."""
+
+    def __init__(self, unit: Unit, position: int):
+        self.unit, self.position = unit, position  # position: index in the call sequence
+        self.token = next(_TOKENS)
+        self.full: list[torch.Tensor | None] = []  # padded full tensors (own their storage)
+        self.nbytes: list[int] = []
+        self.freed = False
+        self.hooked = False  # a pre-backward hook will gather it again
+
+    def gather(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        unit = self.unit
+        unit.calls += 1
+        prefetched = bool(unit.prefetched)
+        self.full, params = unit.gather(shards)
+        real = not unit.ctx.simulated
+        self.nbytes = [
+            t.untyped_storage().nbytes() if t is not None and real else 0 for t in self.full
+        ]
+        self.freed = False
+        if unit.plan.rounds:
+            unit.note("gather", "forward", self.token, unit.token if prefetched else None)
+        return params
+
+    def free(self, phase: Phase) -> None:
+        """Release the gathered storage (autograd keeps the tensors as empty shells)."""
+        if self.freed or not self.unit.plan.rounds:
+            self.freed = True
+            return
+        if not self.unit.ctx.simulated:
+            for t in self.full:
+                if t is not None:
+                    t.untyped_storage().resize_(0)
+        self.freed = True
+        self.unit.note("free", phase, self.token)
+
+    def regather(self) -> None:
+        """Gather again, in place, into the tensors autograd saved in forward."""
+        if not self.freed:
+            return
+        unit = self.unit
+        prefetched = bool(unit.prefetched)
+        full = [t for t in self.full if t is not None]
+        # The gathered tensors sit below any torch.func level; write them outside the transform.
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            if not unit.ctx.simulated:
+                for t, nbytes in zip(self.full, self.nbytes):
+                    if t is not None:
+                        t.untyped_storage().resize_(nbytes)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(full)):
+                unit.gather([_plain(s) for s in unit.shards], into=self.full)
+        self.freed = False
+        unit.note("gather", "backward", self.token, unit.token if prefetched else None)
+
+
+def _copy_out(gathered: torch.Tensor, rnd: Round, outs: list[torch.Tensor]) -> None:
+    """Copy an all-gather's ``[n, total]`` output into each piece's padded full tensor."""
+    n = rnd.size
+    if all(p.dim == 0 for p in rnd.pieces):
+        sizes = [math.prod(p.local_shape) for p in rnd.pieces]
+        torch.split_with_sizes_copy(gathered, sizes, dim=1, out=[o.view(n, -1) for o in outs])
+        return
+    offset = 0
+    for p, out in zip(rnd.pieces, outs):
+        numel = math.prod(p.local_shape)
+        _as_leading(out, p, n).copy_(gathered[:, offset : offset + numel].view(n, *p.local_shape))
+        offset += numel
+
+
+def _all_reduce_replicated(
+    grads: list[torch.Tensor | None], replicated: Sequence[tuple[str, ...]], ctx: Context
+) -> None:
+    """All-reduce each gradient over the data axes its parameter is replicated on (bucketed)."""
+    axes = sorted({a for rep, g in zip(replicated, grads) if g is not None for a in rep})
+    for axis in axes:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (rep, g) in enumerate(zip(replicated, grads)):
+            if g is not None and axis in rep:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for idx in by_dtype.values():
+            parts = [grads[i] for i in idx]
+            flat = torch.cat([g.reshape(-1) for g in parts])  # type: ignore[union-attr]
+            flat = C.wait(C.raw_all_reduce(flat, ctx.mesh, axis, counters=ctx.counters))
+            offset = 0
+            for i, g in zip(idx, parts):
+                grads[i] = flat[offset : offset + g.numel()].view(g.shape)  # type: ignore[union-attr]
+                offset += g.numel()  # type: ignore[union-attr]
