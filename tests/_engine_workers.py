@@ -237,7 +237,7 @@ def autograd_grad_subset_and_counters() -> dict:
     # Anything left in flight would make this collective fail or hang.
     after = ff.all_reduce(torch.ones(1), mesh, "dp").item()
 
-    ls3, ps3 = leaves()
+    _, ps3 = leaves()
     with ff.count_comms() as comms:
         loss = sm.apply(ps3, x).pow(2).sum()
     forward_only = comms.count("reduce_scatter")

@@ -142,7 +142,10 @@ def test_apply_rejects_parameters_of_another_shape():
 
 
 def test_fsdp_rejects_a_non_module():
-    with ff.simulated_mesh({"dp": 2}) as mesh, pytest.raises(TypeError, match="takes an nn.Module"):
+    with (
+        ff.simulated_mesh({"dp": 2}) as mesh,
+        pytest.raises(TypeError, match=r"takes an nn\.Module"),
+    ):
         ff.fsdp("not a module", mesh)  # type: ignore[arg-type]
 
 
@@ -153,6 +156,6 @@ def test_no_sync_stores_nothing_on_the_object():
         state = dict(vars(sm))
         with sm.no_sync():
             assert dict(vars(sm)) == state
-        with pytest.raises(ValueError, match="grad_reduce='none'.*sharded over data axis 'dp'"):
+        with pytest.raises(ValueError, match=r"grad_reduce=.none.*sharded over data axis .dp."):
             sharded = ff.fsdp(model, mesh, policy=ff.Policy(grad_reduce="none"))
             torch.func.grad(lambda p: sharded.apply(p, torch.ones(1, 2)).sum())(sharded.shard())
