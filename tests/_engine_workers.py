@@ -324,3 +324,43 @@ def hf_outputs(kind: str) -> dict:
         "grad_err": max((full[k] - ref_grads[k]).abs().max().item() for k in full),
         "output_type": type(out).__name__,
     }
+
+
+def offload_matches_on_device(policies: list[dict]) -> list[dict]:
+    """Three AdamW steps of a GPT with each policy; shards, gradients and optimizer state
+    stay where FSDP.shard() placed them."""
+    from functional_fsdp.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(n_layer=2, vocab_size=61, n_embd=32, n_head=4, block_size=16)
+    mesh = ff.make_mesh({"dp": dist.get_world_size()})
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (8, 13), generator=g) for _ in range(3)]
+    out = []
+    for kw in policies:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        sm = ff.fsdp(model, mesh, policy=ff.Policy(**kw))
+        opt = ff.adamw(1e-2)
+        step = ff.train_step(lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sm)
+        state = ff.TrainState.create(sm.shard(), opt)
+        losses = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"].item())
+        leaves = ff.tree_leaves((state.params, state.opt_state))
+        devices = {t.device.type for t in leaves if isinstance(t, torch.Tensor)}
+        out.append(
+            {
+                "losses": losses,
+                "params": {k: v.local.clone() for k, v in state.params.items()},
+                "devices": sorted(devices),
+            }
+        )
+    return [
+        {
+            "same_losses": out[0]["losses"] == o["losses"],
+            "same_params": all(torch.equal(out[0]["params"][k], v) for k, v in o["params"].items()),
+            "devices": o["devices"],
+        }
+        for o in out
+    ]

@@ -159,3 +159,15 @@ def test_no_sync_stores_nothing_on_the_object():
         with pytest.raises(ValueError, match=r"grad_reduce=.none.*sharded over data axis .dp."):
             sharded = ff.fsdp(model, mesh, policy=ff.Policy(grad_reduce="none"))
             torch.func.grad(lambda p: sharded.apply(p, torch.ones(1, 2)).sum())(sharded.shard())
+
+
+@pytest.mark.multiprocess
+def test_gloo_cpu_offload_is_bitwise_the_same_training(pools):
+    policies = [
+        {},
+        {"offload": True},
+        {"offload": True, "mixed_precision": ff.MixedPrecision(param_dtype=torch.bfloat16)},
+    ]
+    for r in pools.run(2, W.offload_matches_on_device, policies):
+        assert r[1] == {"same_losses": True, "same_params": True, "devices": ["cpu"]}
+        assert r[2]["devices"] == ["cpu"]  # bf16 compute: another trajectory, still on the host

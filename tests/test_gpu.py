@@ -45,3 +45,39 @@ def test_nccl_fsdp_matches_reference_on_cuda():
     for r in out:
         assert r["backend"] == "nccl" and r["device"] == "cuda", r
         assert r["loss_diff"] < 1e-4 and r["grad_err"] < 1e-4, r
+
+
+def _offload_device_memory() -> dict:
+    from functional_fsdp.models import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(n_layer=4, vocab_size=512, n_embd=256, n_head=8, block_size=64)
+    mesh = ff.make_mesh({"dp": torch.distributed.get_world_size()})
+    idx = torch.randint(0, cfg.vocab_size, (4, 65), device="cuda")
+    result = {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg).cuda()
+        sm = ff.fsdp(model, mesh, policy=ff.Policy(offload=offload))
+        opt = ff.adamw(1e-3)
+        step = ff.train_step(lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sm)
+        state = ff.TrainState.create(sm.shard(), opt)
+        del model
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        state, metrics = step(state, idx)
+        torch.cuda.synchronize()
+        result[offload] = {
+            "between_steps": torch.cuda.memory_allocated() - base,
+            "state_devices": sorted({t.device.type for t in ff.tree_leaves(state.params)}),
+            "loss": metrics["loss"].item(),
+        }
+    return result
+
+
+def test_cpu_offload_keeps_no_shards_or_optimizer_state_on_the_device():
+    out = ff.launch(_offload_device_memory, max(1, torch.cuda.device_count()))
+    for r in out:
+        assert r[True]["state_devices"] == ["cpu"] and r[False]["state_devices"] == ["cuda"]
+        # Without offload the step leaves Adam's moments on the device; with it, nothing.
+        assert r[False]["between_steps"] > 0 and r[True]["between_steps"] <= 0, r
+        assert abs(r[True]["loss"] - r[False]["loss"]) < 1e-5, r

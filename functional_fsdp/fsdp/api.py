@@ -187,7 +187,8 @@ class FSDP:
         """
         if params is None:
             params = {n: p.detach() for n, p in self.module.named_parameters()}
-        return shard(params, self.mesh, self.param_specs())
+        sharded = shard(params, self.mesh, self.param_specs())
+        return to_host(sharded) if self.policy.offload else sharded
 
     def apply(
         self,
@@ -276,6 +277,18 @@ class FSDP:
             plan = self._make_plan(dict(zip(expected, key)))
             self._other_plans[key] = plan
         return plan
+
+
+def to_host(params: dict[str, Sharded]) -> dict[str, Sharded]:
+    """``params`` with their shards in host memory (pinned when CUDA is present), for
+    ``Policy(offload=True)``: their gradients and optimizer state then live there too."""
+    pin = torch.cuda.is_available()
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t.to("cpu")
+        return t.pin_memory() if pin and not t.is_pinned() else t
+
+    return {k: v.replace(host(v.local)) for k, v in params.items()}
 
 
 def fsdp(

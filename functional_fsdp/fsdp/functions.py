@@ -34,6 +34,7 @@ class UnitGather(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.call = inputs[0]
         ctx.dtypes = [t.dtype for t in inputs[1:]]
+        ctx.devices = [t.device for t in inputs[1:]]  # the host, for offloaded shards
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -47,8 +48,8 @@ class UnitGather(torch.autograd.Function):
             plain = [_plain(g) if need and g is not None else None for g, need in zip(grads, needs)]
             reduced = call.unit.reduce(plain, ctx.dtypes)
             out = [
-                g if g is None or g.dtype == dtype else g.to(dtype)
-                for g, dtype in zip(reduced, ctx.dtypes)
+                g if g is None else g.to(device=device, dtype=dtype)
+                for g, dtype, device in zip(reduced, ctx.dtypes, ctx.devices)
             ]
         call.free("backward")
         return (None, *out)

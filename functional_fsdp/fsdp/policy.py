@@ -62,10 +62,16 @@ class Policy:
             own local gradient (for local gradient accumulation, like FSDP2's
             ``set_requires_gradient_sync(False)``: parameters must then be replicated over
             the data axes, e.g. gathered once for the step).
+        offload: CPU offload (FSDP1's ``CPUOffload(offload_params=True)``, ZeRO-Offload):
+            :meth:`FSDP.shard` places the shards in host memory (pinned when CUDA is present),
+            so gradients and optimizer state live there too and the optimizer runs there;
+            each unit's shards are copied to the mesh's device just before its all-gather
+            and reduced gradients are copied back. Offload is a placement: shards that live
+            off the mesh's device are copied this way under any policy.
 
     Example:
         >>> Policy(reshard_after_forward=False, prefetch=2)  # ZeRO-2, two units ahead
-        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean')
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean', offload=False)
     """
 
     reshard_after_forward: bool = True
@@ -73,6 +79,7 @@ class Policy:
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     checkpoint: bool | Callable[[str], bool] = False
     grad_reduce: Literal["mean", "sum", "none"] = "mean"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_reduce not in ("mean", "sum", "none"):

@@ -132,6 +132,13 @@ class _Forward:
         return forward(*args, **kwargs)
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device the mesh computes on (this process's GPU for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def run(
     plan: Plan,
     modules: Sequence[tuple[str, nn.Module]],
@@ -158,6 +165,7 @@ def run(
         counters=C.active_counters(),
         trackers=active_trackers(),
         simulated=is_simulated(),
+        device=mesh_device(mesh),
     )
     in_flight = InFlight()
     units = {

@@ -40,10 +40,19 @@ class Context:
     counters: tuple[C.CommCounter, ...]  # read once, when the call starts
     trackers: tuple[MemoryTracker, ...]
     simulated: bool
+    device: torch.device  # where units are gathered and computed (the mesh's device)
 
     @property
     def sync(self) -> bool:
         return self.policy.grad_reduce != "none"
+
+    def to_device(self, shard: torch.Tensor) -> torch.Tensor:
+        """A shard on the compute device: copied there when it lives elsewhere (offloaded to
+        the host), and copied anyway under ``Policy(offload=True)`` so that the offload path
+        runs, and is tested, on CPU-only machines too."""
+        if shard.device != self.device:
+            return shard.to(self.device, non_blocking=shard.is_pinned())
+        return shard.clone() if self.policy.offload else shard
 
 
 # --------------------------------------------------------------------------- per-call state
@@ -117,7 +126,7 @@ class Unit:
         with torch.no_grad(), torch._C._DisableFuncTorch():
             for r, rnd in enumerate(self.plan.rounds):
                 if rnd.first:
-                    inputs = [plain[p.index] for p in rnd.pieces]
+                    inputs = [self.ctx.to_device(plain[p.index]) for p in rnd.pieces]
                     self.prefetched[r] = self._issue(rnd, [t.to(rnd.dtype) for t in inputs])
         self.note("prefetch", phase, self.token)
 
@@ -147,8 +156,9 @@ class Unit:
         tensors to write (the regather in backward); otherwise they are allocated.
         """
         plan = self.plan
+        current = [self.ctx.to_device(s) for s in shards]
         current = [
-            s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in shards
+            s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in current
         ]
         full: list[torch.Tensor | None] = [None] * len(current)
         for r, rnd in enumerate(plan.rounds):
@@ -210,6 +220,7 @@ class Unit:
         # (read) by autograd as soon as they arrive.
         defer = (
             self.defer
+            and not ctx.policy.offload  # the gradients are copied to the host right away
             and self.calls == 1
             and len(rounds) == 1
             and not all_reduce
