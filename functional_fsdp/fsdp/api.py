@@ -111,7 +111,7 @@ class Policy:
     grad_reduce: Literal["mean", "sum"] = "mean"
 
 
-ForwardWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+ForwardWrapper = Callable[[nn.Module, Callable[..., Any]], Callable[..., Any]]
 UnitsArg = type | tuple[type, ...] | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 
@@ -332,7 +332,7 @@ class FSDP:
 
             return hook
 
-        def wrap(unit: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrap(unit: str, _module: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
             ckpt = self.policy.checkpoint
             use_ckpt = ckpt(unit) if callable(ckpt) else bool(ckpt)
 
@@ -541,7 +541,7 @@ def _forwards_wrapped(
         for path, wrapper in wrappers:
             m = modules[path]
             patched.append((m, m.__dict__.get("forward")))
-            m.forward = wrapper(m.forward)  # type: ignore[method-assign]
+            m.forward = wrapper(m, m.forward)  # type: ignore[method-assign]
         yield
     finally:
         for m, previous in reversed(patched):
