@@ -37,6 +37,7 @@ from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
 from .models.gpt import gpt_plan as gpt_plan
+from .models.llama import llama_plan as llama_plan
 from .optim.clipping import clip_by_global_norm as clip_by_global_norm
 from .optim.clipping import global_norm as global_norm
 from .optim.schedules import Schedule as Schedule
@@ -81,12 +82,15 @@ from .tp.ops import vocab_parallel_embedding as vocab_parallel_embedding
 from .tp.plan import TensorParallel as TensorParallel
 from .tp.plan import tensor_parallel as tensor_parallel
 from .tp.styles import ColwiseParallel as ColwiseParallel
+from .tp.styles import LocalAttributes as LocalAttributes
 from .tp.styles import PrepareInput as PrepareInput
 from .tp.styles import RowwiseParallel as RowwiseParallel
+from .tp.styles import ScatterInput as ScatterInput
 from .tp.styles import ScatterOutput as ScatterOutput
 from .tp.styles import SequenceParallel as SequenceParallel
 from .tp.styles import Style as Style
 from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
+from .tp.styles import divide_by_tp as divide_by_tp
 from .train import DonatedStateError as DonatedStateError
 from .train import TrainState as TrainState
 from .train import train_step as train_step
@@ -103,6 +107,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "Layout",
+    "LocalAttributes",
     "MaskedState",
     "MemoryEvent",
     "MemoryTracker",
@@ -114,6 +119,7 @@ __all__ = [
     "RowwiseParallel",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "ScatterInput",
     "ScatterOutput",
     "Schedule",
     "SequenceParallel",
@@ -143,6 +149,7 @@ __all__ = [
     "cosine_decay_schedule",
     "count_comms",
     "describe",
+    "divide_by_tp",
     "find_units",
     "fsdp",
     "gather",
@@ -155,6 +162,7 @@ __all__ = [
     "join_schedules",
     "launch",
     "linear_schedule",
+    "llama_plan",
     "make_mesh",
     "masked",
     "rank_values",

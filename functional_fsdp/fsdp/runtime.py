@@ -200,7 +200,7 @@ def run(
         by_path.setdefault(path, []).append(wrapper)
     for path in {*by_path, *plan.order}:
         module = copies[path]
-        unit = functools.partial(steps.unit_forward, path) if path in plan.units else None
+        unit = functools.partial(steps.unit_forward, path) if path in steps.position else None
         base = module.__dict__.get("forward")
         module.__dict__["forward"] = _Forward(module, base, by_path.get(path, ()), unit)
 

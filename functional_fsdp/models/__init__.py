@@ -8,5 +8,16 @@ from .gpt import GPTConfig as GPTConfig
 from .gpt import MLPModel as MLPModel
 from .gpt import gpt_plan as gpt_plan
 from .gpt import lm_loss as lm_loss
+from .llama import llama_plan as llama_plan
 
-__all__ = ["GPT", "MLP", "Attention", "Block", "GPTConfig", "MLPModel", "gpt_plan", "lm_loss"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "Attention",
+    "Block",
+    "GPTConfig",
+    "MLPModel",
+    "gpt_plan",
+    "llama_plan",
+    "lm_loss",
+]

@@ -9,15 +9,23 @@ split of dim 0) and the forward wrappers, ready for :func:`functional_fsdp.fsdp`
     tp = ff.tensor_parallel(model, mesh, ff.gpt_plan(cfg))
     sharded = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
 
-No module is changed: the wrappers run only inside ``FSDP.apply``.
+No module is changed: the wrappers run only inside ``FSDP.apply``. Each wrapper is called
+per call as ``wrapper(module, forward) -> forward`` with the module it wraps, and reads
+parameters and sets per-rank attributes (``Style.local_attributes``) on that module only, for
+the duration of its call. The parents of colwise linears also get a wrapper that turns a
+reshape failure (a global head count meeting a head-split tensor) into an error that says
+how to fix it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,12 +33,126 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist.mesh import axis_names, axis_sizes
 from ..spec import P, format_mesh
-from .styles import (
-    ColwiseParallel,
-    Forward,
-    PrepareInput,
-    Style,
+from .styles import ColwiseParallel, Forward, LocalAttributes, PrepareInput, Style
+
+ModuleWrapper = Callable[[nn.Module, Forward], Forward]
+
+# --------------------------------------------------------------------------- wrappers
+
+
+@contextlib.contextmanager
+def _attributes_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
+    missing = object()
+    saved = {n: module.__dict__.get(n, missing) for n in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+@dataclass(frozen=True, eq=False)
+class StyleWrapper:
+    """``(module, forward) -> forward``: a style's forward, with its per-rank attributes set.
+
+    ``module`` is the module being called (per call, the engine may pass a clone of it); the
+    style's parameters are read from it, and its :meth:`Style.local_attributes` hold on it
+    for the duration of each call, then the previous values come back.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> from functional_fsdp.tp.styles import LocalAttributes
+        >>> attn = torch.nn.Module()
+        >>> attn.n_heads = 4
+        >>> with ff.simulated_mesh({"tp": 2}) as mesh:
+        ...     w = StyleWrapper("attn", LocalAttributes(("n_heads",)), mesh, "tp", 2)
+        ...     w(attn, lambda: attn.n_heads)(), attn.n_heads
+        (2, 4)
+    """
+
+    path: str
+    style: Style
+    mesh: DeviceMesh
+    axis: str
+    tp: int
+
+    def __call__(self, module: nn.Module, forward: Forward) -> Forward:
+        wrapped = self.style.wrap(module, self.mesh, self.axis)(forward)
+        values = self.style.local_attributes(module, self.tp)
+        if not values:
+            return wrapped
+
+        def with_local_attributes(*args: Any, **kwargs: Any) -> Any:
+            with _attributes_set(module, values):
+                return wrapped(*args, **kwargs)
+
+        return with_local_attributes
+
+
+_RESHAPE = re.compile(
+    r"shape '\[([-\d, ]*)\]' is invalid for input of size \d+"
+    r"|sizes \[([-\d, ]*)\] don't multiply up to the size"
 )
+
+
+@dataclass(frozen=True, eq=False)
+class _ReshapeHint:
+    """Around a parent of colwise linears: a failed view/reshape becomes an error naming
+    the per-rank attribute feature (``PrepareInput(per_rank=...)``, ``LocalAttributes``)."""
+
+    path: str
+    colwise: tuple[tuple[str, int], ...]  # (child name, global output features)
+    tp: int
+    style: Style | None
+
+    def __call__(self, module: nn.Module, forward: Forward) -> Forward:
+        def hinted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as e:
+                found = _RESHAPE.search(str(e))
+                if found is None:
+                    raise
+                raise ValueError(self.message(module, str(e), found)) from e
+
+        return hinted
+
+    def message(self, module: nn.Module, error: str, found: re.Match[str]) -> str:
+        shape = [int(v) for v in re.findall(r"-?\d+", found.group(1) or found.group(2) or "")]
+        ints = {
+            n: v
+            for n, v in vars(module).items()
+            if isinstance(v, int) and not isinstance(v, bool) and not n.startswith("_")
+        }
+        names = [n for n, v in ints.items() if v in shape and v > 1 and v % self.tp == 0]
+        heads = [n for n in names if "head" in n and "dim" not in n] or names
+        attrs = tuple(heads) or ("n_heads",)
+        linears = ", ".join(f"{c!r} ({out // self.tp} of {out})" for c, out in self.colwise)
+        kind = type(self.style).__name__ if self.style is not None else None
+        if isinstance(self.style, PrepareInput):
+            fix = f"PrepareInput(per_rank={attrs!r}, ...)"
+        else:
+            fix = f"LocalAttributes({attrs!r})"
+        already = (
+            f" (its {kind} sets {[n for n, _ in self.style.per_rank]} per rank already)"
+            if isinstance(self.style, (PrepareInput, LocalAttributes)) and self.style.per_rank
+            else ""
+        )
+        return (
+            f"tensor_parallel: {type(module).__name__} {self.path!r} failed to reshape on tp="
+            f"{self.tp}: {error.splitlines()[0]}. Its colwise linears give each rank a block of "
+            f"their output features: {linears}, so code that reshapes with a global size, such "
+            f"as a head count in q.view(b, t, self.n_heads, head_dim), does not fit{already}. "
+            f"Read the local size from the shape (q.view(b, t, -1, head_dim)), or set the "
+            f"attribute per rank for the call: give {self.path!r} {fix} in the plan "
+            f"(attributes {list(attrs)}; values divided by tp, or {{name: rule(value, tp)}})."
+        )
+
 
 # --------------------------------------------------------------------------- plans
 
@@ -48,7 +170,8 @@ class TensorParallel:
         specs: ``tp_specs`` with the FSDP axes added as the minor split of dim 0, e.g.
             ``P(("tp", "dp"), None)`` for a colwise weight, ``P("dp", "tp")`` for a rowwise
             one, ``P("dp")`` for a replicated one. Pass to ``ff.fsdp(specs=...)``.
-        wrappers: ``(module path, wrapper)`` pairs; pass to ``ff.fsdp(wrappers=...)``.
+        wrappers: ``(module path, wrapper)`` pairs, ``wrapper(module, forward) -> forward``
+            (:class:`StyleWrapper`); pass to ``ff.fsdp(wrappers=...)``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -65,7 +188,7 @@ class TensorParallel:
     styles: dict[str, Style]
     tp_specs: dict[str, P]
     specs: dict[str, P]
-    wrappers: tuple[tuple[str, Callable[[nn.Module, Forward], Forward]], ...] = field(repr=False)
+    wrappers: tuple[tuple[str, ModuleWrapper], ...] = field(repr=False)
 
 
 def _with_fsdp(spec: P, ndim: int, fsdp_axes: tuple[str, ...]) -> P:
@@ -187,6 +310,9 @@ def tensor_parallel(
     tp_specs = _param_specs(module, chosen, axis, mesh)
     params = dict(module.named_parameters())
     specs = {n: _with_fsdp(tp_specs[n], params[n].ndim, fsdp_axes) for n in params}
+    wrappers: list[tuple[str, ModuleWrapper]] = [
+        (p, StyleWrapper(p, s, mesh, axis, tp)) for p, (_, s) in chosen.items()
+    ]
     return TensorParallel(
         mesh=mesh,
         axis=axis,
@@ -194,20 +320,25 @@ def tensor_parallel(
         styles={p: s for p, (_, s) in chosen.items()},
         tp_specs={n: tp_specs[n] for n in params},
         specs=specs,
-        wrappers=tuple((p, _StyleWrapper(s, mesh, axis)) for p, (_, s) in chosen.items()),
+        wrappers=(*wrappers, *_reshape_hints(chosen, modules, tp)),
     )
 
 
-@dataclass(frozen=True)
-class _StyleWrapper:
-    """``(module, forward) -> forward``: a style applied to the per-call copy of a module."""
-
-    style: Style
-    mesh: DeviceMesh
-    axis: str
-
-    def __call__(self, module: nn.Module, forward: Forward) -> Forward:
-        return self.style.wrap(module, self.mesh, self.axis)(forward)
+def _reshape_hints(
+    chosen: dict[str, tuple[str, Style]], modules: dict[str, nn.Module], tp: int
+) -> list[tuple[str, ModuleWrapper]]:
+    """A :class:`_ReshapeHint` around each parent of colwise linears with sharded outputs."""
+    parents: dict[str, list[tuple[str, int]]] = {}
+    for path, (_, style) in chosen.items():
+        if isinstance(style, ColwiseParallel) and style.output == "sharded" and path:
+            parent, _, child = path.rpartition(".")
+            m = modules[path]
+            out = getattr(getattr(m, "base_layer", m), "out_features", 0)
+            parents.setdefault(parent, []).append((child, out))
+    return [
+        (p, _ReshapeHint(p, tuple(c), tp, chosen[p][1] if p in chosen else None))
+        for p, c in parents.items()
+    ]
 
 
 def _prepared_above(path: str, chosen: dict[str, tuple[str, Style]]) -> bool:
@@ -221,13 +352,15 @@ def _param_specs(
     module: nn.Module, chosen: dict[str, tuple[str, Style]], axis: str, mesh: DeviceMesh
 ) -> dict[str, P]:
     """TP spec per parameter (by first name), checking tied parameters agree."""
+    modules = dict(module.named_modules())
+    styled: dict[str, tuple[P, str, str, Style]] = {}  # name -> (spec, module path, pattern, style)
+    for path, (pattern, style) in chosen.items():
+        for local, spec in style.param_specs(modules[path], axis).items():
+            styled[f"{path}.{local}" if path else local] = (spec, path, pattern, style)
     by_id: dict[int, list[tuple[str, P]]] = {}  # parameter -> [(alias, spec)]
-    for path, m in module.named_modules(remove_duplicate=False):
-        styled = chosen.get(path)
-        split = styled[1].param_specs(m, axis) if styled else {}
-        for local, p in m.named_parameters(recurse=False, remove_duplicate=False):
-            name = f"{path}.{local}" if path else local
-            by_id.setdefault(id(p), []).append((name, split.get(local, P()).padded(p.ndim)))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        spec = styled[name][0] if name in styled else P()
+        by_id.setdefault(id(p), []).append((name, spec.padded(p.ndim)))
     out: dict[str, P] = {}
     for name, p in module.named_parameters():
         aliases = by_id[id(p)]
@@ -237,8 +370,8 @@ def _param_specs(
                 raise ValueError(
                     f"tensor_parallel: the parameter {first_name!r} is shared with "
                     f"{other_name!r} (shape {tuple(p.shape)}), but gets {first} from "
-                    f"{_describe(first_name, chosen)} and {other} from "
-                    f"{_describe(other_name, chosen)} on {format_mesh(axis_sizes(mesh))}; one "
+                    f"{_describe(first_name, styled)} and {other} from "
+                    f"{_describe(other_name, styled)} on {format_mesh(axis_sizes(mesh))}; one "
                     f"tensor has one layout. Give both modules styles that split it the same "
                     f"way (e.g. VocabParallelEmbedding() for the embedding and ColwiseParallel() "
                     f"for the tied head, whose vocab-sharded logits go to "
@@ -248,9 +381,8 @@ def _param_specs(
     return out
 
 
-def _describe(name: str, chosen: dict[str, tuple[str, Style]]) -> str:
-    path = name.rpartition(".")[0]
-    if path in chosen:
-        pattern, style = chosen[path]
+def _describe(name: str, styled: dict[str, tuple[P, str, str, Style]]) -> str:
+    if name in styled:
+        _, path, pattern, style = styled[name]
         return f"plan entry {pattern!r} ({type(style).__name__} on {path!r})"
-    return f"no plan entry for {path!r} (replicated)"
+    return f"no plan entry for {name.rpartition('.')[0]!r} (replicated)"
