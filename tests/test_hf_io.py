@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -46,12 +47,12 @@ def _assert_same_files(a: str, b: str) -> None:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
 
 
+# Tests are ordered by world size: a pool of another size costs a restart.
+
 # --------------------------------------------------------------------------- Llama round trip
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4, 1])
-def test_llama_sharded_index_round_trip(pools, tmp_path, world):
+def _llama_round_trip(pools, tmp_path, world: int) -> None:
     """save_pretrained (6 shards + index) -> shard-wise load -> export: bitwise the same."""
     from transformers import LlamaForCausalLM
 
@@ -76,6 +77,11 @@ def test_llama_sharded_index_round_trip(pools, tmp_path, world):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     x = torch.randint(0, 122, (2, 7))
     assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+@pytest.mark.multiprocess
+def test_llama_round_trip_on_2_ranks(pools, tmp_path):
+    _llama_round_trip(pools, tmp_path, 2)
 
 
 @pytest.mark.multiprocess
@@ -124,22 +130,6 @@ def test_gpt_training_after_shardwise_load_equals_eager_load(pools, tmp_path):
     assert "head.weight" not in exported
     for n, p in source.named_parameters():
         assert torch.equal(exported[n], p.detach()), n
-
-
-# --------------------------------------------------------------------------- DCP / FSDP2
-
-
-@pytest.mark.multiprocess
-def test_load_fsdp2_dcp_checkpoint_on_2_and_4(pools, tmp_path):
-    """torch FSDP2 saves with DCP on 2 ranks (torchtitan-style nesting); we load on 2 and 4."""
-    path = str(tmp_path / "fsdp2")
-    full = pools.run(2, W.fsdp2_save, path, True)[0]
-    for world in (2, 4):
-        got = pools.run(world, W.dcp_load, {"dp": world}, path, "model.")[0]
-        assert got["padding_zero"]
-        assert sorted(got["full"]) == sorted(full)
-        for k, v in got["full"].items():
-            assert torch.equal(v, full[k]), k
 
 
 @pytest.mark.multiprocess
@@ -357,5 +347,44 @@ def test_export_params_that_do_not_match_the_model(tmp_path):
 @pytest.mark.multiprocess
 def test_errors_on_real_processes(pools, tmp_path):
     folder = _linear_file(tmp_path, bias=None)
-    with pytest.raises(ff.WorkerError, match=r"the key 'bias' .* is missing from"):
-        pools.run(2, W.load_linear, folder)
+    for message in pools.run(2, W.load_linear_error, folder):
+        assert re.search(r"the key 'bias' .* is missing from '.*model\.safetensors'", message)
+
+
+# --------------------------------------------------------------------------- DCP / FSDP2
+
+
+@pytest.mark.multiprocess
+def test_load_fsdp2_dcp_checkpoint_on_2_and_4(pools, tmp_path):
+    """torch FSDP2 saves with DCP on 2 ranks (torchtitan-style nesting); we load on 2 and 4."""
+    path = str(tmp_path / "fsdp2")
+    full = pools.run(2, W.fsdp2_save, path, True)[0]
+    for world in (2, 4):
+        got = pools.run(world, W.dcp_load, {"dp": world}, path, "model.")[0]
+        assert got["padding_zero"]
+        assert sorted(got["full"]) == sorted(full)
+        for k, v in got["full"].items():
+            assert torch.equal(v, full[k]), k
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [4, 1])
+def test_llama_round_trip_on_4_and_1_ranks(pools, tmp_path, world):
+    _llama_round_trip(pools, tmp_path, world)
+
+
+def test_export_refuses_a_meta_buffer_without_a_value(tmp_path):
+    with torch.device("meta"):
+        model = torch.nn.BatchNorm1d(4)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(model, mesh)
+        params = {k: ff.shard(torch.ones(4), mesh, ff.P("dp")) for k in ("weight", "bias")}
+        with pytest.raises(
+            ValueError,
+            match=r"the buffer 'running_mean' \(shape \(4,\)\) is on "
+            r"the meta device.*Pass buffers=",
+        ):
+            ff.checkpoint.export_safetensors(sm, params, tmp_path)
+        buffers = {k: v for k, v in torch.nn.BatchNorm1d(4).state_dict().items()}
+        ff.checkpoint.export_safetensors(sm, params, tmp_path, buffers=buffers)
+    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(buffers)

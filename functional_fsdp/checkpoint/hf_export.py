@@ -112,6 +112,11 @@ def plain_outputs(
             )
         elif key in kept:
             b = buffers[key] if buffers is not None and key in buffers else value
+            if b.is_meta:
+                raise ValueError(
+                    f"export: the buffer {key!r} (shape {tuple(b.shape)}) is on the meta device, "
+                    f"so it has no value to write. Pass buffers={{{key!r}: tensor, ...}}."
+                )
             outs.append(
                 OutTensor(rename_fn(key), tuple(b.shape), _cast(b, dtype), "", (), lambda g, t=b: t)
             )
