@@ -16,6 +16,7 @@ from torch import nn
 
 from ..dist.mesh import axis_sizes
 from ..dist.simulate import is_simulated
+from ..fsdp.plan import unit_of as unit_of
 from ..sharded import Sharded
 from ..spec import format_mesh
 
@@ -73,15 +74,6 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
             if b is not None and name not in skip:
                 out[f"{path}.{name}" if path else name] = b
     return out
-
-
-def unit_of(name: str, units: tuple[str, ...]) -> str:
-    """The innermost unit whose module path prefixes ``name`` (``""``: the root unit)."""
-    best = ""
-    for u in units:
-        if name.startswith(u + ".") and len(u) > len(best):
-            best = u
-    return best
 
 
 def close_matches(key: str, keys: list[str]) -> str:
