@@ -285,3 +285,35 @@ def padded_global_norm() -> dict:
         "expected": expected.item(),
         "padding_nonzero": pad is None or bool((pad != 0).all()),
     }
+
+
+def mlp_vs_fsdp2() -> dict:
+    """The frozen-layer model: ff.train_step vs FSDP2 fully_shard with torch.optim.AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = frozen_mlp()
+    mesh = ff.make_mesh({"dp": 2})
+    ref = copy.deepcopy(model)
+    for i in (0, 2, 4):
+        fully_shard(ref[i], mesh=mesh)
+    fully_shard(ref, mesh=mesh)
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1
+    )
+    sm = ff.fsdp(model, mesh)
+    opt = ff.adamw(LR, weight_decay=0.1)
+    step = ff.train_step(lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm)
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm)
+    rank = torch.distributed.get_rank()
+    for x, y in mlp_batches():
+        state, _ = step(state, (x, y))
+        local = slice(rank * 4, rank * 4 + 4)
+        (ref(x[local]) - y[local]).pow(2).mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    ours = ff.gather(state.params)
+    theirs = {n: p.full_tensor() for n, p in ref.named_parameters()}
+    return {
+        "param_diff": max((ours[k] - theirs[k]).abs().max().item() for k in theirs),
+        "frozen_equal": all(torch.equal(ours[k], theirs[k]) for k in ("2.weight", "2.bias")),
+    }

@@ -201,6 +201,8 @@ def test_gloo_frozen_layer_every_variant(pools):
     # ZeRO-1: replicated params, all-reduced trainable grads, optimizer state sharded.
     assert results["zero1"]["ar_bytes"] == [results["zero1"]["trainable_bytes"]] * W.STEPS
     assert results["zero1"]["mu_specs"] == ["P('dp')"]
+    fsdp2 = pools.run(2, W.mlp_vs_fsdp2)[0]
+    assert fsdp2["frozen_equal"] and fsdp2["param_diff"] < 1e-5, fsdp2
 
 
 @pytest.mark.multiprocess
