@@ -6,6 +6,8 @@ layouts with explicit, differentiable collectives.
 """
 
 from . import checkpoint as checkpoint
+from ._partition import combine as combine
+from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves
 from ._tree import tree_map as tree_map
 from .debug import describe as describe
@@ -144,6 +146,7 @@ __all__ = [
     "chain",
     "checkpoint",
     "clip_by_global_norm",
+    "combine",
     "constant_schedule",
     "copy_to",
     "cosine_decay_schedule",
@@ -165,6 +168,7 @@ __all__ = [
     "llama_plan",
     "make_mesh",
     "masked",
+    "partition",
     "rank_values",
     "reduce_from",
     "reduce_scatter",

@@ -16,11 +16,13 @@ from typing import Any, Literal
 
 import optree
 import torch
+import torch.distributed as dist
 
+from ._partition import module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, tree_leaves
 from .dist import collectives as C
-from .dist.mesh import axis_sizes
-from .dist.simulate import per_coordinate
+from .dist.mesh import axis_sizes, coordinate_of
+from .dist.simulate import is_simulated, per_coordinate
 from .fsdp.api import FSDP
 from .optim._tree import donating
 from .optim.clipping import global_norm
@@ -54,37 +56,81 @@ class TrainState:
     """Parameters, optimizer state and step count: a pytree, immutable by convention.
 
     Attributes:
-        params: the parameters (a pytree of ``Sharded``, in their at-rest layout).
-        opt_state: the optimizer state (for ZeRO-1 laid out by the optimizer specs).
+        params: all parameters, trainable and frozen (a pytree of ``Sharded``, in their
+            at-rest layout): what ``loss_fn`` and :meth:`FSDP.apply` take.
+        opt_state: the optimizer state, built on the trainable parameters only (for ZeRO-1
+            laid out by the optimizer specs).
         step: completed optimizer steps.
+        trainable: the dotted names of the trainable leaves of ``params``, or ``None`` when
+            all are trainable. Static: part of the pytree structure, not a leaf.
 
     Example:
         >>> import torch, functional_fsdp as ff
-        >>> state = ff.TrainState.create({"w": torch.zeros(2)}, ff.sgd(0.1))
-        >>> state.step
-        0
+        >>> params = {"w": torch.zeros(2), "lora": torch.zeros(2)}
+        >>> state = ff.TrainState.create(params, ff.adam(0.1), trainable={"lora"})
+        >>> state.step, sorted(state.trainable), sorted(state.opt_state[0].mu)
+        (0, ['lora'], ['lora'])
     """
 
-    __slots__ = ("_donated_at", "_opt_state", "_params", "_step")
+    __slots__ = ("_donated_at", "_opt_state", "_params", "_step", "_trainable")
 
-    def __init__(self, params: Any, opt_state: Any, step: int = 0) -> None:
+    def __init__(
+        self,
+        params: Any,
+        opt_state: Any,
+        step: int = 0,
+        trainable: frozenset[str] | None = None,
+    ) -> None:
         self._params, self._opt_state, self._step = params, opt_state, step
+        self._trainable = None if trainable is None else frozenset(trainable)
         self._donated_at: int | None = None
 
     @staticmethod
     def create(
-        params: Any, optimizer: GradientTransformation, *, opt_specs: Any = None
+        params: Any,
+        optimizer: GradientTransformation,
+        *,
+        trainable: Any = None,
+        opt_specs: Any = None,
     ) -> TrainState:
-        """A fresh state at step 0.
+        """A fresh state at step 0, with optimizer state for the trainable parameters only.
 
         Args:
-            params: the parameters, in their at-rest layout.
-            optimizer: initialised on ``params`` (or on their ``opt_specs`` layout).
+            params: all parameters (trainable and frozen), in their at-rest layout.
+            optimizer: initialised on the trainable part of ``params`` (or on its
+                ``opt_specs`` layout).
+            trainable: which parameters train (see :func:`functional_fsdp.partition`): pass
+                the ``FSDP`` description (or the module) to train the parameters with
+                ``requires_grad=True``; or dotted names, a predicate ``fn(path, leaf)``, a
+                tree of bools. ``None``: all of them.
             opt_specs: for ZeRO-1, the optimizer-state layout (the same value passed to
                 :func:`train_step`), e.g. ``P("dp")`` with replicated ``P()`` params.
+
+        Raises:
+            ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+            >>> _ = model[0].requires_grad_(False)
+            >>> params = {n: p.detach() for n, p in model.named_parameters()}
+            >>> state = ff.TrainState.create(params, ff.adamw(1e-3), trainable=model)
+            >>> sorted(state.trainable)
+            ['1.bias', '1.weight']
         """
-        opt_params = params if opt_specs is None else reshard(params, opt_specs)
-        return TrainState(params, optimizer.init(opt_params), 0)
+        names = None
+        if trainable is not None:
+            names = trainable_names(params, trainable, "TrainState.create")
+            if not names:
+                raise ValueError(
+                    f"TrainState.create: trainable={_short_repr(trainable)} selects none of the "
+                    f"{len(names_of(params))} parameters, so there is nothing to train. Check "
+                    f"the names or predicate, or which parameters have requires_grad=True."
+                )
+        train = params if names is None else partition(params, names)[0]
+        if opt_specs is not None:
+            train = reshard(train, restrict_specs(opt_specs, train))
+        return TrainState(params, optimizer.init(train), 0, names)
 
     def _alive(self) -> None:
         if self._donated_at is not None:
@@ -109,24 +155,43 @@ class TrainState:
         self._alive()
         return self._step
 
+    @property
+    def trainable(self) -> frozenset[str] | None:
+        return self._trainable
+
     def __repr__(self) -> str:
         if self._donated_at is not None:
             return f"TrainState(<donated at step {self._donated_at}>)"
         n = sum(
             leaf.numel() for leaf in tree_leaves(self._params) if isinstance(leaf, torch.Tensor)
         )
-        return f"TrainState(step={self._step}, local parameter elements={n})"
+        split = "" if self._trainable is None else f", trainable leaves={len(self._trainable)}"
+        return f"TrainState(step={self._step}, local parameter elements={n}{split})"
 
 
-def _flatten_state(s: TrainState) -> tuple[tuple[Any, Any, int], None, tuple[str, str, str]]:
+def _short_repr(x: Any, limit: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def restrict_specs(specs: Any, tree: Any) -> Any:
+    """``specs`` without the dict keys that ``tree`` lacks (specs written for all params)."""
+    if isinstance(specs, dict) and isinstance(tree, dict):
+        return {k: restrict_specs(specs[k], v) for k, v in tree.items() if k in specs}
+    return specs
+
+
+def _flatten_state(
+    s: TrainState,
+) -> tuple[tuple[Any, Any, int], frozenset[str] | None, tuple[str, str, str]]:
     s._alive()
-    return (s._params, s._opt_state, s._step), None, ("params", "opt_state", "step")
+    return (s._params, s._opt_state, s._step), s._trainable, ("params", "opt_state", "step")
 
 
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
-    lambda _, children: TrainState(*children),
+    lambda trainable, children: TrainState(*children, trainable=trainable),
     namespace=NAMESPACE,
 )
 
@@ -171,19 +236,24 @@ def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
     if n == 1:
         return batch
 
-    def index(coord: dict[str, int], per: int) -> torch.Tensor:
+    def rank_of(coord: dict[str, int]) -> int:
         rank = 0
         for a in data_axes:
             rank = rank * sizes[a] + coord[a]
-        return torch.arange(rank * per, (rank + 1) * per)
+        return rank
 
-    out = []
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            per = t.shape[0] // n
-            out.append(t.index_select(0, per_coordinate(mesh, lambda c, p=per: index(c, p))))
-        else:
-            out.append(t)
+    def share(t: torch.Tensor) -> torch.Tensor:
+        per = t.shape[0] // n
+        if not is_simulated():  # a view of this rank's rows: no index tensor, no copy
+            return t.narrow(0, rank_of(coordinate_of(mesh, dist.get_rank())) * per, per)
+        # Simulated ranks differ in their rows: one index_select with per-rank indices,
+        # built on the batch's device.
+        index = per_coordinate(
+            mesh, lambda c: torch.arange(rank_of(c) * per, (rank_of(c) + 1) * per, device=t.device)
+        )
+        return t.index_select(0, index)
+
+    out = [share(t) if isinstance(t, torch.Tensor) else t for t in leaves]
     return optree.tree_unflatten(treedef, out)
 
 
@@ -206,23 +276,83 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _gather_for_accumulation(model: FSDP, params: dict[str, Sharded]) -> dict[str, Sharded]:
-    """The compute layout (data axes gathered), differentiable with the gradient rule.
+def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
+    """The compute layout (data axes gathered) of ``values``, differentiable with the
+    gradient rule.
 
     Its gradient is reduce-scattered over the sharded data axes, all-reduced over the
     replicated ones, and averaged over the data ranks: once per step, for the whole model.
+    Frozen values go through it outside any differentiation and cost only their gather.
     """
     data = model.data_axes
-    compute = {k: functools.reduce(P.without, data, v.spec) for k, v in params.items()}
-    gathered = reshard(params, compute)
+    sharded = [v for v in values if isinstance(v, Sharded)]
+    gathered = iter(reshard(sharded, [functools.reduce(P.without, data, v.spec) for v in sharded]))
     sizes = axis_sizes(model.mesh)
     scale = 1.0 / math.prod(sizes[a] for a in data) if model.policy.grad_reduce == "mean" else 1.0
-    out = {}
-    for k, v in gathered.items():
-        replicated = tuple(a for a in data if a not in params[k].spec.axes)
-        local = C.all_reduce_grad(v.local, model.mesh, replicated) if replicated else v.local
-        out[k] = Sharded._unchecked(_ScaleGrad.apply(local, scale), v.global_shape, v.spec, v.mesh)
+    out = []
+    for v in values:
+        if not isinstance(v, Sharded):
+            out.append(v)
+            continue
+        g = next(gathered)
+        replicated = tuple(a for a in data if a not in v.spec.axes)
+        local = C.all_reduce_grad(g.local, model.mesh, replicated) if replicated else g.local
+        out.append(
+            Sharded._unchecked(_ScaleGrad.apply(local, scale), g.global_shape, g.spec, g.mesh)
+        )
     return out
+
+
+class _Split:
+    """``params`` as its trainable leaves (in the order of ``partition``'s trainable tree)
+    and a way to put them back among the frozen ones, keeping ``params``' exact structure."""
+
+    def __init__(self, params: Any, names: frozenset[str] | None) -> None:
+        paths, self.leaves, self.treedef = optree.tree_flatten_with_path(params)
+        if names is None:
+            self.train, self.index = params, list(range(len(self.leaves)))
+            self.train_def = self.treedef
+        else:
+            self.train = partition(params, names)[0]
+            train_paths, _, self.train_def = optree.tree_flatten_with_path(self.train)
+            position = {p: i for i, p in enumerate(paths)}
+            self.index = [position[p] for p in train_paths]
+        self.train_leaves = [self.leaves[i] for i in self.index]
+        trained = set(self.index)
+        self.frozen_index = [i for i in range(len(self.leaves)) if i not in trained]
+
+    def full(self, train_leaves: list[Any], base: list[Any] | None = None) -> Any:
+        """``params`` with the trainable leaves replaced (frozen ones from ``base``)."""
+        out = list(self.leaves if base is None else base)
+        for i, x in zip(self.index, train_leaves):
+            out[i] = x
+        return self.treedef.unflatten(out)
+
+
+def _frozen_module_params(model: FSDP) -> list[str]:
+    trainable = module_trainable(model)
+    module = getattr(model, "module", None)
+    if trainable is None or not isinstance(module, torch.nn.Module):
+        return []
+    return [n for n, _ in module.named_parameters() if n not in trainable]
+
+
+def _check_all_trainable(model: FSDP, params: Any) -> None:
+    """The default path must not train a module's frozen parameters without being told."""
+    frozen = _frozen_module_params(model)
+    if not frozen:
+        return
+    present = set(names_of(params))
+    frozen = [n for n in frozen if n in present]
+    if frozen:
+        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
+        raise ValueError(
+            f"train_step: the module has frozen parameters (requires_grad=False), e.g. "
+            f"{frozen[0]!r}{more}, but the TrainState was created without trainable=, so "
+            f"they would get gradients, optimizer state and updates. Create the state with "
+            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
+            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
+        )
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -249,6 +379,12 @@ def train_step(
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
+    Only the state's trainable parameters (``TrainState.create(..., trainable=...)``) are
+    differentiated, clipped, counted in ``grad_norm`` and updated; frozen ones get no
+    gradient and no reduce-scatter, and come back as the same tensor objects. With
+    ``model=`` given, a state created without ``trainable=`` for a module that has
+    ``requires_grad=False`` parameters raises instead of training them.
+
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
             model with :meth:`FSDP.apply` (which reduces gradients over the data axes).
@@ -270,7 +406,8 @@ def train_step(
             parameters are all-gathered back. ``None``: the parameters' own layout.
         learning_rate: the schedule (or constant) to report as ``metrics["lr"]``.
         donate: update the state's tensors in place; the input state is dead afterwards and
-            using it raises :class:`DonatedStateError`. Lowers peak memory.
+            using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
+            parameters are never written: the new state shares them.
 
     Returns:
         ``step(state, batch)``; metrics hold ``loss`` (global mean), ``grad_norm`` (global,
@@ -279,14 +416,17 @@ def train_step(
     Example:
         >>> import torch, functional_fsdp as ff
         >>> model = torch.nn.Linear(4, 1)
+        >>> _ = model.bias.requires_grad_(False)  # frozen: no gradient, no optimizer state
         >>> with ff.simulated_mesh({"dp": 2}) as mesh:
         ...     sharded_model = ff.fsdp(model, mesh)
         ...     loss_fn = lambda p, b: (sharded_model.apply(p, b[0]) - b[1]).pow(2).mean()
-        ...     step = ff.train_step(loss_fn, ff.sgd(0.1), model=sharded_model)
-        ...     state = ff.TrainState.create(sharded_model.shard(), ff.sgd(0.1))
+        ...     opt = ff.adamw(0.1)
+        ...     step = ff.train_step(loss_fn, opt, model=sharded_model)
+        ...     params = sharded_model.shard()
+        ...     state = ff.TrainState.create(params, opt, trainable=sharded_model)
         ...     state, metrics = step(state, (torch.randn(8, 4), torch.randn(8, 1)))
-        ...     state.step
-        1
+        ...     state.step, sorted(state.trainable), state.params["bias"] is params["bias"]
+        (1, ['weight'], True)
     """
     if accumulate < 1:
         raise ValueError(f"train_step: accumulate must be >= 1, got {accumulate}")
@@ -300,65 +440,78 @@ def train_step(
             "(needed for batch='global' and accumulate_mode='local')."
         )
 
-    def grads_and_loss(params: Any, local: Batch) -> tuple[Any, torch.Tensor]:
+    def add(a: list[Any], b: list[Any]) -> list[Any]:
+        return optree.tree_map(torch.add, a, b, namespace=NAMESPACE)
+
+    def mean(total: list[Any], n: int) -> list[Any]:
+        return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
+
+    def grads_and_loss(split: _Split, local: Batch) -> tuple[list[Any], torch.Tensor]:
+        """Gradients of the trainable leaves only: frozen ones are never differentiated."""
         micro = split_batch(local, accumulate) if accumulate > 1 else [local]
-        checked = lambda p, b: _check_loss(loss_fn(p, b))  # noqa: E731
+        base = split.leaves
+        train = split.train_leaves
+        pullback = None
         if accumulate_mode == "local" and model is not None:
-            compute, pullback = torch.func.vjp(lambda p: _gather_for_accumulation(model, p), params)
-            total, loss_sum = None, 0.0
-            with model.no_sync():
-                for mb in micro:
-                    g, loss = torch.func.grad_and_value(checked)(compute, mb)
-                    total = (
-                        g
-                        if total is None
-                        else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
-                    )
-                    loss_sum = loss_sum + loss.detach()
-            total = optree.tree_map(lambda t: t / len(micro), total, namespace=NAMESPACE)
-            (grads,) = pullback(total)
-            return grads, loss_sum / len(micro)
+            frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
+            base = list(base)
+            for i, v in zip(split.frozen_index, frozen):
+                base[i] = v
+            train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
+
+        def checked(t: list[Any], b: Batch) -> torch.Tensor:
+            return _check_loss(loss_fn(split.full(t, base), b))
+
         total, loss_sum = None, 0.0
-        for mb in micro:
-            g, loss = torch.func.grad_and_value(checked)(params, mb)
-            total = (
-                g if total is None else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
-            )
-            loss_sum = loss_sum + loss.detach()
+        with model.no_sync() if pullback is not None else contextlib.nullcontext():
+            for mb in micro:
+                g, loss = torch.func.grad_and_value(checked)(train, mb)
+                total = g if total is None else add(total, g)
+                loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:
-            total = optree.tree_map(lambda t: t / len(micro), total, namespace=NAMESPACE)
+            total = mean(total, len(micro))
+        if pullback is not None:
+            (total,) = pullback(total)
         return total, loss_sum / len(micro)
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         params, opt_state, count = state.params, state.opt_state, state.step
+        if model is not None and state.trainable is None:
+            _check_all_trainable(model, params)
         local = (
             local_batch(data, model.mesh, model.data_axes) if batch == "global" and model else data
         )
-        grads, loss = grads_and_loss(params, local)
+        split = _Split(params, state.trainable)
+        grad_leaves, loss = grads_and_loss(split, local)
+        grads = split.train_def.unflatten(grad_leaves)
+        train = split.train
         at_rest = None
         if opt_specs is not None:  # ZeRO-1: slice gradients and params to the optimizer layout
             at_rest = optree.tree_map(
                 lambda v: v.spec if isinstance(v, Sharded) else None,
-                params,
+                train,
                 is_leaf=lambda v: isinstance(v, Sharded),
                 none_is_leaf=True,
             )
-            grads = reshard(grads, opt_specs)
-            params = reshard(params, opt_specs)
+            specs = restrict_specs(opt_specs, train)
+            grads = reshard(grads, specs)
+            train = reshard(train, specs)
         norm = global_norm(grads)
         with donating() if donate else contextlib.nullcontext():
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            updates, new_opt_state = optimizer.update(grads, opt_state, train)
         if donate:
-            new_params = _apply_in_place(params, updates)
+            new_train = _apply_in_place(train, updates)
             new_opt_state = _donate_into(opt_state, new_opt_state)
         else:
-            new_params = apply_updates(params, updates)
+            new_train = apply_updates(train, updates)
         if at_rest is not None:
-            new_params = reshard(new_params, at_rest)
+            new_train = reshard(new_train, at_rest)
+        # Frozen leaves are the input's own objects: never copied, never written.
+        new_params = split.full(split.train_def.flatten_up_to(new_train))
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
         lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        new_state = TrainState(new_params, new_opt_state, count + 1)
+        new_state = TrainState(new_params, new_opt_state, count + 1, state.trainable)
         if donate:
             state._donated_at = count
         return new_state, {

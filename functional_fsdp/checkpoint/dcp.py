@@ -6,6 +6,26 @@ freshly initialised state on the new mesh — so a checkpoint written by 2 ranks
 ``P("dp")`` loads on 4 ranks, on a 2-D mesh, or on one process. Both are collective calls:
 every rank of the mesh must call them.
 
+Key layout. Every leaf is stored under its dotted path in the tree: dict keys, sequence
+positions, and the field names of NamedTuples (optimizer states). For a :class:`TrainState`:
+
+=====================================  ==================================================
+``params.<param>``                      every parameter, trainable and frozen, e.g.
+                                        ``params.layers.0.self_attn.q_proj.weight``
+``opt_state.<i>.<field>.<param>``       optimizer state of transformation ``i`` of the
+                                        ``chain`` (``adamw`` = ``scale_by_adam``,
+                                        ``add_decayed_weights``, learning rate), e.g.
+                                        ``opt_state.0.mu.layers.0.self_attn.q_proj.weight``
+                                        (``mu``/``nu``: Adam's moments, ``trace``:
+                                        momentum, ``inner_state``: under ``masked``)
+``opt_state.<i>.count``                 step counters of the transformations that keep one
+``step``                                completed optimizer steps
+=====================================  ==================================================
+
+A state created with ``trainable=`` has ``opt_state`` keys for its trainable parameters only;
+load it into a template created with the same ``trainable``. ``<param>`` is the name from
+``module.named_parameters()`` (the keys of :meth:`FSDP.shard`).
+
 Example:
     >>> ff.checkpoint.save("ckpt/step_100", state)  # doctest: +SKIP
     >>> state = ff.checkpoint.load("ckpt/step_100", fresh_state_on_another_mesh)  # doctest: +SKIP
@@ -20,15 +40,33 @@ import optree
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .._tree import NAMESPACE, dotted
+from .._tree import NAMESPACE
 from ..sharded import Sharded
 
 
+def _key(entry: Any) -> str:
+    """One path entry as a key part: NamedTuple fields by name (``mu``, not ``1``)."""
+    if isinstance(entry, optree.NamedTupleEntry):
+        return str(entry.field)
+    if isinstance(entry, (optree.GetAttrEntry, optree.DataclassEntry)):
+        return str(entry.name)
+    return str(entry.entry)
+
+
 def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    paths, leaves, treedef = optree.tree_flatten_with_path(
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(
         tree, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True, namespace=NAMESPACE
     )
-    return [dotted(p) or "<root>" for p in paths], leaves, treedef
+    keys = [".".join(_key(e) for e in a) or "<root>" for a in accessors]
+    seen: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if key in seen:
+            raise ValueError(
+                f"checkpoint: two leaves of the tree have the same key {key!r} (leaves "
+                f"{seen[key]} and {i}); rename one, e.g. a dict key that contains dots."
+            )
+        seen[key] = i
+    return keys, leaves, treedef
 
 
 def save(path: str | os.PathLike[str], tree: Any) -> None:

@@ -14,12 +14,15 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._tree import dotted
 from ..dist import collectives as C
-from ..dist.mesh import axis_names
-from ..sharded import Sharded
+from ..dist.mesh import axis_names, coordinate_of
+from ..dist.simulate import is_simulated, per_coordinate
+from ..sharded import Sharded, unpad
+from ..spec import Layout
 from ._tree import check_real, map_foreach
 from .transforms import EmptyState, GradientTransformation, OptState, Params, Updates
 
@@ -32,10 +35,50 @@ def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, 2, dtype=acc))
 
 
+def _padded_dims(layout: Layout) -> list[int]:
+    """The dims where some coordinate's block has padding (a split that does not divide)."""
+    sizes = layout.sizes
+    out = []
+    for dim in range(len(layout.global_shape)):
+        lengths = layout.block_sizes(dim)
+        axes = layout.spec.entry(dim)
+        if any(lengths[i] * sizes[a] != lengths[i - 1] for i, a in enumerate(axes, start=1)):
+            out.append(dim)
+    return out
+
+
+def _real_part(value: Sharded) -> torch.Tensor:
+    """The local block without its padding, whatever the padding holds.
+
+    Padding is zero after :func:`shard` and the collectives, but ``tree_map`` over local
+    blocks (``t + 1``, ``t.exp()``) can make it non-zero, so reductions must not count it.
+    On real processes this is a view; on a simulated mesh (where ranks' real lengths
+    differ) the padding is masked out.
+    """
+    layout = value.layout
+    dims = _padded_dims(layout)
+    if not dims:
+        return value.local
+    if not is_simulated():
+        return unpad(value.local, layout, coordinate_of(value.mesh, dist.get_rank()))
+    out = value.local
+    for dim in dims:
+        length = out.shape[dim]
+
+        def keep(coord: dict[str, int], d: int = dim, n: int = length) -> torch.Tensor:
+            pad = layout.owned(coord)[1][d]
+            return torch.arange(n, device=value.local.device) < n - pad
+
+        shape = [1] * out.ndim
+        shape[dim] = length
+        out = out * per_coordinate(value.mesh, keep).view(shape)
+    return out
+
+
 def global_norm(tree: Any) -> torch.Tensor:
     """The 2-norm of all values in ``tree`` taken together, correct across a mesh.
 
-    A ``Sharded`` value contributes the squares of its local block (padding is zero), summed
+    A ``Sharded`` value contributes the squares of its local block (never its padding), summed
     over the mesh axes its spec splits it over; over the axes where it is replicated it
     counts once. Plain tensors are taken as replicated and count once. Values are grouped by
     mesh and sharded axes and each mesh axis is reduced once, for all groups together, so a
@@ -57,7 +100,7 @@ def global_norm(tree: Any) -> torch.Tensor:
         if isinstance(leaf, Sharded):
             axes = tuple(a for a in axis_names(leaf.mesh) if a in leaf.spec.axes)
             keys.append((leaf.mesh, axes) if axes else None)
-            tensors.append(leaf.local)
+            tensors.append(_real_part(leaf))
         elif isinstance(leaf, torch.Tensor):
             keys.append(None)
             tensors.append(leaf)

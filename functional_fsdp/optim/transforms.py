@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
+from .._partition import prefix_mask_flags
 from .._tree import dotted
 from ._tree import (
     SAME_PARAMS_HINT,
@@ -477,16 +478,9 @@ def _mask_flags(where: str, mask: Mask, tree: Any) -> tuple[list[bool], list[Any
     if callable(mask) and not isinstance(mask, (dict, list, tuple)):
         flags = [mask(dotted(p), x) for p, x in zip(paths, leaves)]
     else:
-        try:
-            flags = optree.broadcast_prefix(mask, tree)
-        except ValueError:
-            raise ValueError(
-                f"{where}: the mask does not match the params tree.\n"
-                f"  mask structure:   {optree.tree_structure(mask)}\n"
-                f"  params structure: {treedef}\n"
-                f"Give a tree of bools with the params' keys (or a prefix of them), or a "
-                f"predicate, e.g. mask=lambda path, p: p.ndim >= 2."
-            ) from None
+        # A mask may cover more dict keys than the tree: one written for all params still
+        # applies to the trainable part from ff.partition.
+        flags = prefix_mask_flags(where, mask, paths)
     for path, flag in zip(paths, flags):
         if not isinstance(flag, bool):
             raise TypeError(
