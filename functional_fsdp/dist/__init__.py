@@ -1,0 +1,1 @@
+"""Meshes, collectives (the only c10d caller), simulated meshes and the process launcher."""
