@@ -187,7 +187,7 @@ _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 @pytest.mark.parametrize("name", ["fsdp", "zero1", "hsdp", "tp"])
 def test_cuda_step_has_no_host_sync(name):
     """The audited steps on CUDA + NCCL, with torch's sync debug mode set to raise."""
-    if _GPUS < A.WORLD[name]:
+    if A.WORLD[name] > _GPUS:
         pytest.skip(f"needs {A.WORLD[name]} CUDA GPUs (one per rank, NCCL); found {_GPUS}")
     with ProcessPool(A.WORLD[name], device_type="cuda") as pool:
         out = pool.run(A.audit_step, name, "cuda")
