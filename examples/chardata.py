@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pydoc_data.topics
 
 import torch
@@ -22,7 +23,31 @@ def parse_mesh(spec: str | None, default: dict[str, int]) -> dict[str, int]:
     return {name: int(size) for name, size in (part.split("=") for part in spec.split(","))}
 
 
-def random_batch(data: torch.Tensor, batch: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    """``batch`` random windows of ``block + 1`` characters (inputs and shifted targets)."""
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """``--device cuda|cpu``; the default is CUDA when a GPU is visible."""
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where the model and data live (default: cuda when a GPU is visible, else cpu); "
+        "each rank uses GPU LOCAL_RANK",
+    )
+
+
+def random_batch(
+    data: torch.Tensor,
+    batch: int,
+    block: int,
+    gen: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``batch`` random windows of ``block + 1`` characters (inputs and shifted targets).
+
+    Drawn on the host (the same on every rank), then copied to ``device`` from pinned memory
+    without blocking, so the step that uses it needs no host synchronisation.
+    """
     starts = torch.randint(0, len(data) - block - 1, (batch,), generator=gen)
-    return torch.stack([data[s : s + block + 1] for s in starts.tolist()])
+    out = torch.stack([data[s : s + block + 1] for s in starts.tolist()])
+    if torch.device(device).type == "cuda":
+        return out.pin_memory().to(device, non_blocking=True)
+    return out

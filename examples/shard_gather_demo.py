@@ -3,12 +3,16 @@
 Run on 2 CPU processes:
 
     torchrun --nproc-per-node 2 examples/shard_gather_demo.py
+    torchrun --nproc-per-node 2 examples/shard_gather_demo.py --device cpu   # CPU even with GPUs
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
+from chardata import add_device_arg
 from rich.console import Console
 from rich.table import Table
 
@@ -17,11 +21,15 @@ from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
 
 def main() -> None:
-    ff.init_distributed()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_arg(p)
+    args = p.parse_args()
+    device = ff.init_distributed(device_type=args.device)  # cuda:LOCAL_RANK, or the CPU
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # every rank builds the same initial model
     model = GPT(GPTConfig(n_layer=2, vocab_size=97, n_embd=48, n_head=4, block_size=32))
-    mesh = ff.make_mesh({"dp": world})
+    model = model.to(device)
+    mesh = ff.make_mesh({"dp": world}, device_type=device.type)
     sharded_model = ff.fsdp(model, mesh)
     params = sharded_model.shard()
 
@@ -42,7 +50,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 97, (2 * world, 16), generator=g)
-    local = idx[rank * 2 : rank * 2 + 2]
+    local = idx[rank * 2 : rank * 2 + 2].to(device)
     with ff.count_comms() as comms:
         grads, loss = torch.func.grad_and_value(
             lambda p: lm_loss(sharded_model.apply(p, local[:, :-1]), local[:, 1:])

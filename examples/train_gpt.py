@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from chardata import load_text, parse_mesh, random_batch
+from chardata import add_device_arg, load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
@@ -43,12 +43,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=300)
+    add_device_arg(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    ff.init_distributed()
+    device = ff.init_distributed(device_type=args.device)  # cuda:LOCAL_RANK, or the CPU
     rank, world = dist.get_rank(), dist.get_world_size()
     data, chars = load_text()
 
@@ -60,8 +61,8 @@ def main() -> None:
         n_head=args.heads,
         n_embd=args.width,
     )
-    model = GPT(cfg)
-    mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}))
+    model = GPT(cfg).to(device)
+    mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}), device_type=device.type)
     bf16 = args.mixed_precision == "bf16"
     policy = ff.Policy(
         reshard_after_forward=args.strategy != "zero2",
@@ -103,7 +104,7 @@ def main() -> None:
     )
     start = time.perf_counter()
     for i in bar:
-        batch = random_batch(data, args.batch_size, args.block_size, gen)
+        batch = random_batch(data, args.batch_size, args.block_size, gen, device)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         tok_s = tokens_per_step * (i + 1) / (time.perf_counter() - start)
@@ -126,8 +127,9 @@ def main() -> None:
 @torch.no_grad()
 def sample(model: GPT, params: dict[str, torch.Tensor], chars: list[str], n: int, seed: int) -> str:
     """Greedy-free sampling (temperature 0.8) from the trained parameters, on one rank."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.tensor([[chars.index("\n")]])
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.full((1, 1), chars.index("\n"), device=device)
     for _ in range(n):
         logits = torch.func.functional_call(model, params, (idx[:, -model.cfg.block_size :],))[
             0, -1

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from chardata import load_text, parse_mesh, random_batch
+from chardata import add_device_arg, load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
@@ -40,17 +40,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    add_device_arg(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    ff.init_distributed()
+    device = ff.init_distributed(device_type=args.device)  # cuda:LOCAL_RANK, or the CPU
     rank = dist.get_rank()
     data, chars = load_text()
     world = dist.get_world_size()
     tp = 2 if world % 2 == 0 else 1
-    mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world // tp, "tp": tp}))
+    axes = parse_mesh(args.mesh, default={"dp": world // tp, "tp": tp})
+    mesh = ff.make_mesh(axes, device_type=device.type)
     tp_size = ff.axis_size(mesh, "tp")
 
     torch.manual_seed(args.seed)  # the same initial model on every rank
@@ -62,7 +64,7 @@ def main() -> None:
         n_head=args.heads,
         n_embd=args.width,
     )
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
 
     # The recipe: TP plan -> specs and forward wrappers -> FSDP over the data axes on top.
     tp = tensor_parallel(model, mesh, gpt_plan(cfg, sequence_parallel=args.sequence_parallel))
@@ -105,7 +107,7 @@ def main() -> None:
     bar = tqdm(range(args.steps), disable=rank != 0, desc=desc)
     start = time.perf_counter()
     for i in bar:
-        batch = random_batch(data, args.batch_size, args.block_size, gen)
+        batch = random_batch(data, args.batch_size, args.block_size, gen, device)
         if i == args.steps - 1:
             with ff.count_comms() as comms:
                 state, metrics = step(state, batch)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
 from .dist import collectives as C
-from .dist.mesh import axis_names, axis_sizes
-from .dist.simulate import on_rank, per_coordinate, rank_values
+from .dist.mesh import axis_names, axis_sizes, local_coordinate
+from .dist.simulate import is_simulated, on_rank, per_coordinate, rank_values
 from .sharded import Sharded, block_of, local_shape_problem
 from .spec import Layout, P, format_mesh, gather_schedule, spec_problem
 
@@ -468,9 +468,11 @@ def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
 def _slice_to(value: Sharded | torch.Tensor, original: Sharded, target: P) -> Sharded:
     """Split ``value`` further, locally, until its spec is ``target``.
 
-    The per-rank cut is an ``index_select`` with per-rank indices (padding positions point at
-    an appended zero slice), so the ops are the same on every rank and stay differentiable on
-    simulated meshes too.
+    On real processes each rank cuts its own block with ``narrow`` and pads it: no index
+    tensor, so nothing is built on the host or copied to the device. On a simulated mesh the
+    per-rank cut is an ``index_select`` with per-rank indices built on the value's device
+    (padding positions point at an appended zero slice), so the ops are the same on every
+    rank and stay differentiable there too. Either way the result is a new compact tensor.
     """
     mesh = original.mesh
     spec, local = (value.spec, value.local) if isinstance(value, Sharded) else (P(), value)
@@ -478,19 +480,43 @@ def _slice_to(value: Sharded | torch.Tensor, original: Sharded, target: P) -> Sh
         return Sharded._unchecked(local, original.global_shape, target, mesh)
     extra = P(*(target.entry(d)[len(spec.entry(d)) :] for d in range(original.ndim)))
     sub = Layout.make(tuple(local.shape), extra, axis_sizes(mesh))
-    for dim in range(original.ndim):
-        if not extra.entry(dim):
-            continue
-        length = local.shape[dim]
-        index = per_coordinate(mesh, lambda c, d=dim, n=length: _block_index(sub, c, d, n))
-        # Append one zero slot for the padding positions (also when ``local`` is empty).
-        padded = torch.nn.functional.pad(local, [0, 0] * (local.ndim - 1 - dim) + [0, 1])
-        local = torch.index_select(padded, dim, index)
+    dims = [d for d in range(original.ndim) if extra.entry(d)]
+    if is_simulated():
+        for dim in dims:
+            local = _select_block(local, sub, mesh, dim)
+    else:
+        local = _cut_block(local, sub, mesh, dims)
     return Sharded(local, original.global_shape, target, mesh)
 
 
-def _block_index(sub: Layout, coord: dict[str, int], dim: int, length: int) -> torch.Tensor:
+def _cut_block(local: torch.Tensor, sub: Layout, mesh: DeviceMesh, dims: list[int]) -> torch.Tensor:
+    """This rank's padded block of ``dims``: ``narrow`` and ``pad`` with Python ints."""
+    slices, pads = sub.owned(local_coordinate(mesh))
+    fresh = False
+    for dim in dims:
+        cut = slices[dim]
+        local = local.narrow(dim, cut.start, cut.stop - cut.start)
+        if pads[dim]:
+            pad = [0, 0] * (local.ndim - 1 - dim) + [0, pads[dim]]
+            local, fresh = torch.nn.functional.pad(local, pad), True
+    # Never a view: it would alias the caller's value or pin a whole gathered buffer.
+    return local if fresh else local.clone(memory_format=torch.contiguous_format)
+
+
+def _select_block(local: torch.Tensor, sub: Layout, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Every simulated rank's block of ``dim`` by ``index_select`` with per-rank indices."""
+    length = local.shape[dim]
+    device = local.device
+    index = per_coordinate(mesh, lambda c: _block_index(sub, c, dim, length, device))
+    # Append one zero slot for the padding positions (also when ``local`` is empty).
+    padded = torch.nn.functional.pad(local, [0, 0] * (local.ndim - 1 - dim) + [0, 1])
+    return torch.index_select(padded, dim, index)
+
+
+def _block_index(
+    sub: Layout, coord: dict[str, int], dim: int, length: int, device: torch.device
+) -> torch.Tensor:
     """Indices into a block of ``length`` (plus one zero slot) that cut out ``coord``'s piece."""
     slices, pads = sub.owned(coord)
-    real = torch.arange(slices[dim].start, slices[dim].stop)
-    return torch.cat([real, torch.full((pads[dim],), length, dtype=torch.long)])
+    real = torch.arange(slices[dim].start, slices[dim].stop, device=device)
+    return torch.cat([real, torch.full((pads[dim],), length, dtype=torch.long, device=device)])

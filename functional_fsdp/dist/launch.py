@@ -20,6 +20,8 @@ import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
+from .mesh import rank_device
+
 
 class WorkerError(RuntimeError):
     """A function failed (or timed out) on one or more ranks of a :class:`ProcessPool`.
@@ -45,9 +47,17 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, backend: str, threads: int, tasks: Any, results: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    device: tuple[str | None, str, bool],
+    threads: int,
+    tasks: Any,
+    results: Any,
 ) -> None:
     import torch.distributed as dist
+
+    from .mesh import init_distributed
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -58,9 +68,13 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    backend, device_type, oversubscribe = device
+    init_distributed(
+        backend,
+        device_type=device_type,
+        oversubscribe=oversubscribe,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         while True:
             task = tasks.get()
@@ -80,10 +94,21 @@ def _worker(
 class ProcessPool:
     """``world_size`` worker processes in one gloo (or NCCL) process group, reused across calls.
 
+    Each rank gets its own device as under ``torchrun`` (see :func:`~functional_fsdp.dist.mesh.rank_device`):
+    GPU ``rank`` with NCCL when CUDA is visible, the CPU with gloo otherwise.
+
     Args:
         world_size: number of ranks.
-        backend: ``"gloo"`` (default on CPU) or ``"nccl"``.
+        backend: the c10d backend; ``None`` picks it from the device (see
+            :func:`~functional_fsdp.init_distributed`).
         timeout: seconds to wait for every rank to finish one call.
+        device_type: ``"cuda"`` or ``"cpu"``; ``None`` means CUDA when a GPU is visible.
+        oversubscribe: allow more ranks than GPUs (ranks share GPUs, over gloo); for
+            correctness tests on a machine with fewer GPUs than ranks.
+
+    Raises:
+        ValueError: on CUDA, if ``world_size`` exceeds the visible GPUs without
+            ``oversubscribe`` (before any process starts).
 
     Example:
         >>> def rank_and_size():
@@ -95,10 +120,22 @@ class ProcessPool:
     """
 
     def __init__(
-        self, world_size: int, *, backend: str | None = None, timeout: float = 300
+        self,
+        world_size: int,
+        *,
+        backend: str | None = None,
+        timeout: float = 300,
+        device_type: str | None = None,
+        oversubscribe: bool = False,
     ) -> None:
         self.world_size = world_size
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # Refuse a bad device choice here, before starting processes that would all fail.
+        device = rank_device(
+            device_type, local_rank=0, local_world_size=world_size, oversubscribe=oversubscribe
+        )
+        self.device_type = device.type
+        gpu_backend = "gloo" if oversubscribe else "nccl"
+        self.backend = backend or (gpu_backend if device.type == "cuda" else "gloo")
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -108,7 +145,15 @@ class ProcessPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, self.backend, threads, self._tasks[r], self._results),
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    (self.backend, self.device_type, oversubscribe),
+                    threads,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -188,6 +233,9 @@ def _format(errors: dict[int, str]) -> str:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` once on ``world_size`` fresh processes; return per-rank results.
+
+    Each rank gets its own GPU when CUDA is visible (more ranks than GPUs is refused), else
+    the CPU; use :class:`ProcessPool` to choose the device or to oversubscribe GPUs.
 
     Example:
         >>> import functional_fsdp as ff

@@ -5,6 +5,7 @@ Code names mesh axes and never indexes them: ``axis_size(mesh, "dp")``, not ``me
 
 from __future__ import annotations
 
+import datetime
 import enum
 import math
 import os
@@ -13,6 +14,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..spec import format_mesh
 
 
 class Axis(str, enum.Enum):
@@ -42,26 +45,119 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Join the process group described by the ``torchrun`` environment.
+def rank_device(
+    device_type: str | None = None,
+    *,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    oversubscribe: bool = False,
+) -> torch.device:
+    """The device this process should use: ``cuda:LOCAL_RANK``, or the CPU.
 
-    Uses NCCL when CUDA is available and gloo otherwise. Does nothing if a process group
-    already exists. Without ``torchrun`` variables it starts a single-process group, so the
-    same script runs with ``python`` and with ``torchrun``.
+    ``local_rank`` and ``local_world_size`` default to ``torchrun``'s ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (0 and 1 without them). Each rank on a node gets its own GPU; more
+    ranks than visible GPUs is refused, because ranks that share a GPU contend for its memory
+    and compute, and NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
+    detected").
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``; ``None`` means CUDA when a GPU is visible.
+        local_rank: this process's rank on its node.
+        local_world_size: the number of ranks on this node.
+        oversubscribe: allow more ranks than GPUs (rank ``i`` uses GPU ``i % count``). For
+            correctness tests on a machine with fewer GPUs than ranks, with ``gloo``.
+
+    Raises:
+        ValueError: for an unknown device type, ``"cuda"`` without a visible GPU, or more
+            ranks on this node than GPUs without ``oversubscribe``.
 
     Example:
-        >>> init_distributed()  # doctest: +SKIP
+        >>> rank_device("cpu")
+        device(type='cpu')
     """
+    device_type = device_type or default_device_type()
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"device_type must be 'cuda' or 'cpu', got {device_type!r}; pass e.g. "
+            f"--device cuda, or leave it unset to use CUDA when a GPU is visible."
+        )
+    if device_type == "cpu":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return torch.device("cuda", _gpu_index(local_rank, local_world_size, count, oversubscribe))
+
+
+def _gpu_index(local_rank: int, local_world_size: int, count: int, oversubscribe: bool) -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    if count == 0:
+        raise ValueError(
+            f"device 'cuda' was asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES="
+            f"{visible}). Run on the CPU with device_type='cpu' (e.g. --device cpu), or check "
+            f"the CUDA install with `python -c 'import torch; print(torch.cuda.is_available())'`."
+        )
+    if local_world_size > count and not oversubscribe:
+        raise ValueError(
+            f"{local_world_size} ranks on this node need one GPU each, but {count} GPU(s) are "
+            f"visible (CUDA_VISIBLE_DEVICES={visible}). Launch at most {count} ranks per node "
+            f"(torchrun --nproc-per-node {count}), run on the CPU with device_type='cpu' "
+            f"(gloo), or, for correctness tests only, pass oversubscribe=True to share GPUs "
+            f"(with backend='gloo': NCCL refuses two ranks on one GPU)."
+        )
+    return local_rank % count
+
+
+def init_distributed(
+    backend: str | None = None,
+    *,
+    device_type: str | None = None,
+    oversubscribe: bool = False,
+    timeout: datetime.timedelta | None = None,
+) -> torch.device:
+    """Join the process group described by the ``torchrun`` environment; return this rank's device.
+
+    On CUDA each rank uses GPU ``LOCAL_RANK`` (see :func:`rank_device`) and NCCL; on the CPU,
+    gloo. Does nothing but return the device if a process group already exists. Without
+    ``torchrun`` variables it starts a single-process group, so the same script runs with
+    ``python`` and with ``torchrun``.
+
+    Args:
+        backend: the c10d backend; ``None`` means NCCL on CUDA (gloo when oversubscribing)
+            and gloo on the CPU.
+        device_type: ``"cuda"`` or ``"cpu"``; ``None`` means CUDA when a GPU is visible.
+        oversubscribe: allow more ranks per node than GPUs (tests only; see
+            :func:`rank_device`).
+        timeout: how long collectives wait before failing (torch's default if ``None``).
+
+    Raises:
+        ValueError: if the device cannot be used (see :func:`rank_device`).
+
+    Example:
+        >>> device = init_distributed(device_type="cpu")  # doctest: +SKIP
+        >>> model = model.to(device)  # doctest: +SKIP
+    """
+    single = "RANK" not in os.environ
+    device = rank_device(
+        device_type,
+        local_rank=0 if single else None,
+        local_world_size=1 if single else None,
+        oversubscribe=oversubscribe,
+    )
     if dist.is_initialized():
-        return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if "RANK" not in os.environ:
+        return device
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" and not oversubscribe else "gloo"
+    if single:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timeout)
+    return device
 
 
 def _free_port() -> int:
@@ -76,7 +172,8 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
     """A ``DeviceMesh`` with named axes over all ranks, e.g. ``make_mesh({"dp": 2, "tp": 2})``.
 
     Axes are ordered major to minor, like the dims of a row-major array of ranks. The device
-    defaults to CUDA when present, else CPU. Calls :func:`init_distributed` if needed.
+    defaults to CUDA when present, else CPU. Calls :func:`init_distributed` if needed (with
+    the same device type).
 
     Raises:
         ValueError: if the product of the axis sizes differs from the world size, or an axis
@@ -93,7 +190,7 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
         raise ValueError(f"mesh axis names must be strings, got {tuple(axes)}")
     if any(s < 1 for s in sizes):
         raise ValueError(f"mesh axis sizes must be positive, got {dict(axes)}")
-    init_distributed()
+    init_distributed(device_type=device_type)
     world = dist.get_world_size()
     if math.prod(sizes) != world:
         raise ValueError(
@@ -135,6 +232,25 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
         4
     """
     return axis_sizes(mesh)[axis]
+
+
+def local_coordinate(mesh: DeviceMesh) -> dict[str, int]:
+    """This process's mesh coordinate by axis name, from the mesh's cached Python ints.
+
+    Unlike ``coordinate_of(mesh, dist.get_rank())`` it reads no tensor. Real processes only:
+    on a simulated mesh every rank lives in one process (use ``per_coordinate``).
+
+    Example:
+        >>> local_coordinate(make_mesh({"dp": 1}))  # doctest: +SKIP
+        {'dp': 0}
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not in the mesh {format_mesh(axis_sizes(mesh))}; call "
+            f"this only on ranks of the mesh."
+        )
+    return dict(zip(axis_names(mesh), (int(c) for c in coord)))
 
 
 def coordinate_of(mesh: DeviceMesh, rank: int) -> dict[str, int]:

@@ -13,8 +13,10 @@ gradient on every rank, so a parameter replicated over ``tp`` needs no gradient 
 The sequence-parallel pair is plain :func:`functional_fsdp.all_gather` and
 :func:`functional_fsdp.reduce_scatter` on the sequence dim (each other's transpose).
 
-Per-rank slices use the same ops on every rank with per-rank index data (built with
-:func:`~functional_fsdp.dist.simulate.per_coordinate`), so they also run on simulated meshes.
+Per-rank slices and vocabulary offsets come from the rank's mesh coordinate as Python ints
+on real processes (no index tensor, nothing copied to the device per call). On a simulated
+mesh, where one process holds every rank, they are per-rank tensors built on the value's
+device with :func:`~functional_fsdp.dist.simulate.per_coordinate`.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist import collectives as C
-from ..dist.mesh import axis_sizes
-from ..dist.simulate import per_coordinate
+from ..dist.mesh import axis_sizes, local_coordinate
+from ..dist.simulate import is_simulated, per_coordinate
 from ..spec import format_mesh
 
 
@@ -41,11 +43,27 @@ def _size(mesh: DeviceMesh, axis: str, what: str) -> int:
     return sizes[axis]
 
 
-def _rank_tensor(mesh: DeviceMesh, axis: str, scale: int, device: torch.device) -> torch.Tensor:
-    """``index(axis) * scale`` as a one-element long tensor (per rank on a simulated mesh)."""
+def _rank_offset(
+    mesh: DeviceMesh, axis: str, scale: int, device: torch.device
+) -> int | torch.Tensor:
+    """``index(axis) * scale``: a Python int on real processes, per rank on a simulated mesh.
+
+    A Python int needs no tensor at all (no host-to-device copy per call on a GPU). On a
+    simulated mesh the value differs between the ranks of one process, so it is a 0-dim
+    per-rank tensor made on ``device`` (a fill, not a copy from host data).
+    """
+    if not is_simulated():
+        return local_coordinate(mesh)[axis] * scale
     return per_coordinate(
-        mesh, lambda c: torch.tensor([c[axis] * scale], dtype=torch.long, device=device)
+        mesh, lambda c: torch.full((), c[axis] * scale, dtype=torch.long, device=device)
     )
+
+
+def _keep_block(blocks: torch.Tensor, index: int | torch.Tensor) -> torch.Tensor:
+    """``blocks[index]`` of ``[n, ...]`` blocks, as a new contiguous tensor."""
+    if isinstance(index, int):
+        return blocks[index].clone(memory_format=torch.contiguous_format)
+    return torch.index_select(blocks, 0, index.reshape(1)).squeeze(0)
 
 
 def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str, axis: str) -> None:
@@ -93,9 +111,8 @@ def reduce_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp") -> torch.Te
 
 class _ScatterTo(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor, index: torch.Tensor, n: int, mesh: Any, axis: str, dim: int):  # type: ignore[override]
-        blocks = C._split_leading(x, n, dim)  # [n, ..., len/n, ...]
-        return torch.index_select(blocks, 0, index).squeeze(0)
+    def forward(x: torch.Tensor, index: int | torch.Tensor, n: int, mesh: Any, axis: str, dim: int):  # type: ignore[override]
+        return _keep_block(C._split_leading(x, n, dim), index)  # of [n, ..., len/n, ...]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -109,7 +126,7 @@ class _ScatterTo(torch.autograd.Function):
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor, index: torch.Tensor, n: int, mesh: Any, axis: str, dim: int):  # type: ignore[override]
+    def forward(x: torch.Tensor, index: int | torch.Tensor, n: int, mesh: Any, axis: str, dim: int):  # type: ignore[override]
         return C._move_leading(C.wait(C.raw_all_gather(x, mesh, axis)), dim)
 
     @staticmethod
@@ -119,7 +136,7 @@ class _GatherFrom(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         blocks = C._split_leading(grad, ctx.n, ctx.dim)
-        return torch.index_select(blocks, 0, ctx.index).squeeze(0), None, None, None, None, None
+        return _keep_block(blocks, ctx.index), None, None, None, None, None
 
 
 def scatter_to(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp", dim: int = -1) -> torch.Tensor:
@@ -139,7 +156,7 @@ def scatter_to(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp", dim: int = -
     _check_divisible(x, dim, n, "scatter_to", axis)
     if n == 1:
         return x
-    return _ScatterTo.apply(x, _rank_tensor(mesh, axis, 1, x.device), n, mesh, axis, dim)
+    return _ScatterTo.apply(x, _rank_offset(mesh, axis, 1, x.device), n, mesh, axis, dim)
 
 
 def gather_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp", dim: int = -1) -> torch.Tensor:
@@ -159,7 +176,7 @@ def gather_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp", dim: int = 
     dim = dim % x.ndim
     if n == 1:
         return x
-    return _GatherFrom.apply(x, _rank_tensor(mesh, axis, 1, x.device), n, mesh, axis, dim)
+    return _GatherFrom.apply(x, _rank_offset(mesh, axis, 1, x.device), n, mesh, axis, dim)
 
 
 # --------------------------------------------------------------------------- vocab parallel
@@ -169,7 +186,7 @@ def _local_ids(
     ids: torch.Tensor, rows: int, mesh: DeviceMesh, axis: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids shifted into this rank's vocabulary block, and the mask of ids it owns."""
-    local = ids - _rank_tensor(mesh, axis, rows, ids.device).squeeze(0)
+    local = ids - _rank_offset(mesh, axis, rows, ids.device)
     inside = (local >= 0) & (local < rows)
     return torch.where(inside, local, torch.zeros_like(local)), inside
 
