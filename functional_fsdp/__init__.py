@@ -27,6 +27,7 @@ from .dist.mesh import axis_size as axis_size
 from .dist.mesh import axis_sizes as axis_sizes
 from .dist.mesh import init_distributed as init_distributed
 from .dist.mesh import make_mesh as make_mesh
+from .dist.mesh import rank_device as rank_device
 from .dist.simulate import is_simulated as is_simulated
 from .dist.simulate import rank_values as rank_values
 from .dist.simulate import simulated_mesh as simulated_mesh
@@ -169,6 +170,7 @@ __all__ = [
     "make_mesh",
     "masked",
     "partition",
+    "rank_device",
     "rank_values",
     "reduce_from",
     "reduce_scatter",

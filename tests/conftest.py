@@ -27,7 +27,7 @@ class Pools:
             # Only one pool at a time: 2 cores cannot afford idle gloo workers of other sizes.
             for size in list(_POOLS):
                 _POOLS.pop(size).close()
-            pool = _POOLS[world_size] = ProcessPool(world_size, timeout=240)
+            pool = _POOLS[world_size] = ProcessPool(world_size, device_type="cpu", timeout=240)
         return pool.run(fn, *args, **kwargs)
 
 

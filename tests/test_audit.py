@@ -86,19 +86,7 @@ def test_audit_transfers_mode_allows_io_but_not_device_mix():
 
 # --------------------------------------------------------------------------- real train steps
 
-_GLOBAL_BATCH_BUG = (
-    "train.py local_batch (line ~178-184) cuts each rank's share with index_select and a "
-    "torch.arange index made on the host: a device mismatch on CUDA"
-)
-_CASES = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(strict=True, reason=_GLOBAL_BATCH_BUG)
-        if name == "fsdp_global_batch"
-        else (),
-    )
-    for name in A.STEP_CASES
-]
+_CASES = [pytest.param(name) for name in A.STEP_CASES]
 
 
 @pytest.mark.multiprocess
