@@ -154,7 +154,7 @@ def _tp_records(style: Style, x: Any, y: Any, axis: str, n: int) -> list[CommTup
         if style.output == "replicated":  # gather_from: the local block, gathered
             local = nbytes(y) // n
             out.append(("forward", "all_gather", axis, n, local * n * (n - 1) // n, y.dtype))
-    elif isinstance(style, RowwiseParallel) or isinstance(style, VocabParallelEmbedding):
+    elif isinstance(style, (RowwiseParallel, VocabParallelEmbedding)):
         if style.output != "replicated":
             raise _sequence_parallel(style)
         all_reduce("forward", y)

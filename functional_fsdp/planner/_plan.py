@@ -489,7 +489,6 @@ def plan(
             layouts[n], dtypes[n] = lay, dt
     param_bytes = sum(layouts[n].local_numel * dtypes[n].itemsize for n in layouts)
     total_elems = sum(_numel(lay.global_shape) for lay in layouts.values())
-    n_ranks = math.prod(sizes.values())
     # Padding: what a rank holds beyond its share of the distinct values (replicas included).
     exact = sum(
         _numel(layouts[n].global_shape)
@@ -632,7 +631,7 @@ def plan(
     if trace is not None:
         for u, records in trace.tp.items():
             again = 2 if u in the_plan.order and checkpointed(u) else 1
-            for phase, kind, axis, n, nbytes, _ in records:
+            for phase, kind, axis, _, nbytes, _ in records:
                 times = accumulate * (again if phase == "forward" else 1)
                 comms.items.setdefault((kind, axis, "tp"), [0, 0])
                 slot = comms.items[(kind, axis, "tp")]
