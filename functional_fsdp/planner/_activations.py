@@ -81,6 +81,9 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:  # type: ignore[override]
+        if q.ndim == 4:  # laid out [batch, seq, heads, dim] as the kernels return it, so
+            b, h, s, _ = q.shape  # that the usual transpose(1, 2).reshape() is a view
+            return q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
         return q.new_empty(*q.shape[:-1], v.shape[-1])
 
     @staticmethod
@@ -105,7 +108,16 @@ class _FusedAttentionMode(torch.overrides.TorchFunctionMode):
             q, k, v = args[:3]
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             return _FusedAttention.apply(q, k, v, mask)
+        if func in _DATA_DEPENDENT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            # Data-dependent control flow (e.g. a packed-sequence check) has no answer on
+            # meta: take the branch of a true condition (checks such as "every token is
+            # valid" or "no packed sequences" hold for a plain batch).
+            t = args[0]
+            return True if func is torch.Tensor.__bool__ else (0.0 if t.is_floating_point() else 0)
         return func(*args, **kwargs)
+
+
+_DATA_DEPENDENT = (torch.Tensor.__bool__, torch.Tensor.item)
 
 
 def _key(t: torch.Tensor) -> int:
