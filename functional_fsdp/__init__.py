@@ -66,6 +66,10 @@ from .optim.transforms import scale_by_learning_rate as scale_by_learning_rate
 from .optim.transforms import scale_by_schedule as scale_by_schedule
 from .optim.transforms import sgd as sgd
 from .optim.transforms import trace as trace
+from .planner import Comparison as Comparison
+from .planner import PlanReport as PlanReport
+from .planner import compare_strategies as compare_strategies
+from .planner import plan as plan
 from .sharded import Sharded as Sharded
 from .sharding import gather as gather
 from .sharding import reshard as reshard
@@ -99,6 +103,7 @@ __all__ = [
     "ColwiseParallel",
     "CommCounter",
     "CommRecord",
+    "Comparison",
     "DonatedStateError",
     "EmptyState",
     "GradientTransformation",
@@ -108,6 +113,7 @@ __all__ = [
     "MemoryTracker",
     "MixedPrecision",
     "P",
+    "PlanReport",
     "Policy",
     "PrepareInput",
     "ProcessPool",
@@ -138,6 +144,7 @@ __all__ = [
     "chain",
     "checkpoint",
     "clip_by_global_norm",
+    "compare_strategies",
     "constant_schedule",
     "copy_to",
     "cosine_decay_schedule",
@@ -157,6 +164,7 @@ __all__ = [
     "linear_schedule",
     "make_mesh",
     "masked",
+    "plan",
     "rank_values",
     "reduce_from",
     "reduce_scatter",

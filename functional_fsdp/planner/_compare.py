@@ -28,7 +28,7 @@ class Comparison:
         >>> import torch, functional_fsdp as ff
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
         >>> cmp = ff.compare_strategies(model, 8, strategies=("ddp", "zero3"))
-        >>> [r.name for r in cmp.reports], cmp.fits(0.002)
+        >>> [r.name for r in cmp.reports], cmp.fits(0.001)  # 1 MiB per device
         (['ddp', 'zero3'], ['zero3'])
     """
 

@@ -110,7 +110,8 @@ class PlanReport:
         params: parameter elements of the model (tied ones once).
         trainable: trainable parameter elements.
         param_bytes: parameter shards at rest, padding included.
-        padding_bytes: the padding part of ``param_bytes``.
+        padding_bytes: the padding part of ``param_bytes`` (beyond an exact share of each
+            tensor over the axes that split it, rounded to a byte).
         grad_bytes: gradients of the trainable parameters, in their at-rest layout.
         opt_state_bytes: optimizer state (in the ``opt_specs`` layout for ZeRO-1).
         largest_unit: the unit with the most gathered bytes (``""``: the root unit).
@@ -126,6 +127,16 @@ class PlanReport:
         comms: the step's collectives (see :class:`CommFigure`).
         units: per-unit figures, the root unit first.
         seconds: how long planning took.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> report = ff.plan(torch.nn.Linear(1000, 1001), {"dp": 8}, optimizer="adamw")
+        >>> report.param_bytes  # 126 of the 1001 rows (padded), and 126 of the bias
+        504504
+        >>> report.padding_bytes, report.opt_state_bytes  # AdamW: mu and nu
+        (3504, 1009008)
+        >>> report.by_kind_and_axis()[("reduce_scatter", "dp")]  # one unit: one reduce-scatter
+        (1, 3531528)
     """
 
     name: str

@@ -87,7 +87,9 @@ def comparison_table(reports: Sequence[PlanReport], gib: float | None = None) ->
 def to_text(renderable: Any, width: int = 110) -> str:
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=width, color_system=None, record=True)
+    console = Console(
+        file=io.StringIO(), width=width, color_system=None, record=True, force_jupyter=False
+    )
     console.print(renderable)
     return console.export_text()
 
@@ -95,7 +97,7 @@ def to_text(renderable: Any, width: int = 110) -> str:
 def to_html(renderable: Any) -> str:
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=110, record=True)
+    console = Console(file=io.StringIO(), width=110, record=True, force_jupyter=False)
     console.print(renderable)
     return console.export_html(inline_styles=True)
 
