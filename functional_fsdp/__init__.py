@@ -70,6 +70,10 @@ from .optim.transforms import scale_by_learning_rate as scale_by_learning_rate
 from .optim.transforms import scale_by_schedule as scale_by_schedule
 from .optim.transforms import sgd as sgd
 from .optim.transforms import trace as trace
+from .planner import Comparison as Comparison
+from .planner import PlanReport as PlanReport
+from .planner import compare_strategies as compare_strategies
+from .planner import plan as plan
 from .sharded import Sharded as Sharded
 from .sharding import gather as gather
 from .sharding import reshard as reshard
@@ -106,6 +110,7 @@ __all__ = [
     "ColwiseParallel",
     "CommCounter",
     "CommRecord",
+    "Comparison",
     "DonatedStateError",
     "EmptyState",
     "GradientTransformation",
@@ -116,6 +121,7 @@ __all__ = [
     "MemoryTracker",
     "MixedPrecision",
     "P",
+    "PlanReport",
     "Policy",
     "PrepareInput",
     "ProcessPool",
@@ -148,6 +154,7 @@ __all__ = [
     "checkpoint",
     "clip_by_global_norm",
     "combine",
+    "compare_strategies",
     "constant_schedule",
     "copy_to",
     "cosine_decay_schedule",
@@ -170,6 +177,7 @@ __all__ = [
     "make_mesh",
     "masked",
     "partition",
+    "plan",
     "rank_device",
     "rank_values",
     "reduce_from",

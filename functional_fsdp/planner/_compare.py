@@ -1,0 +1,163 @@
+"""Strategies side by side: DDP, ZeRO-1/2/3, HSDP and FSDP+TP priced by :func:`plan`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
+from ..spec import P
+from ..tp.styles import Style
+from ._plan import BatchArg, OptimizerArg, PlanReport, plan
+from ._render import comparison_table, plot, text_chart, to_html, to_text
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp+tp")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Several :class:`PlanReport` side by side (strategies, or one strategy on several meshes).
+
+    Attributes:
+        reports: the reports, in order.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        >>> cmp = ff.compare_strategies(model, 8, strategies=("ddp", "zero3"))
+        >>> [r.name for r in cmp.reports], cmp.fits(0.001)  # 1 MiB per device
+        (['ddp', 'zero3'], ['zero3'])
+    """
+
+    reports: tuple[PlanReport, ...]
+
+    def __getitem__(self, name: str) -> PlanReport:
+        for r in self.reports:
+            if r.name == name:
+                return r
+        raise KeyError(f"no report named {name!r}; the names are {[r.name for r in self.reports]}")
+
+    def fits(self, gib: float) -> list[str]:
+        """Names of the reports whose peak estimate fits in ``gib`` GiB per device."""
+        return [r.name for r in self.reports if r.fits(gib)]
+
+    def table(self, gib: float | None = None) -> Any:
+        """A ``rich`` table: memory parts, peak and traffic per report."""
+        return comparison_table(self.reports, gib)
+
+    def plot(self, gib: float | None = None, ax: Any = None) -> Any:
+        """Stacked bars of memory per device (matplotlib ``Axes``), with a line at ``gib``.
+
+        Without matplotlib, returns the same chart as text (see :meth:`text_chart`).
+        """
+        return plot(self.reports, gib, ax)
+
+    def text_chart(self, gib: float | None = None) -> str:
+        """The chart as text: one bar per report."""
+        return text_chart(self.reports, gib)
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        """Each report's :meth:`PlanReport.to_dict`."""
+        return [r.to_dict() for r in self.reports]
+
+    def summary(self, gib: float | None = None) -> str:
+        """The table as plain text."""
+        return to_text(self.table(gib))
+
+    def __rich__(self) -> Any:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        return to_html(self.table())
+
+
+def compare_strategies(
+    model: nn.Module,
+    world_size: int,
+    *,
+    batch: BatchArg = None,
+    strategies: Sequence[str] = STRATEGIES,
+    tp_plan: Mapping[str, Style] | None = None,
+    tp: int = 8,
+    hsdp_shard: int = 8,
+    units: UnitsArg = None,
+    mixed_precision: MixedPrecision | None = None,
+    checkpoint: bool | Callable[[str], bool] = False,
+    prefetch: int = 1,
+    optimizer: OptimizerArg = "adamw",
+    loss_fn: Any = "lm",
+) -> Comparison:
+    """Price the standard strategies for ``model`` on ``world_size`` devices with :func:`plan`.
+
+    * ``"ddp"``: ``{"dp": N}``, ``specs=P()``.
+    * ``"zero1"``: as DDP, optimizer state ``P("dp")`` (``opt_specs``).
+    * ``"zero2"``: ``{"dp": N}``, ``Policy(reshard_after_forward=False)``.
+    * ``"zero3"``: ``{"dp": N}``, the default (full sharding).
+    * ``"hsdp"``: ``{"replicate": N / hsdp_shard, "shard": hsdp_shard}``.
+    * ``"fsdp+tp"``: ``{"dp": N / tp, "tp": tp}`` with ``tp_plan`` (skipped without one).
+
+    Args:
+        model: the module (on ``meta`` for big ones).
+        world_size: devices.
+        batch: the global batch (see :func:`plan`); ``None``: no activation figures.
+        strategies: which of the names above, in order.
+        tp_plan: the tensor-parallel plan for ``"fsdp+tp"``.
+        tp: tensor-parallel size for ``"fsdp+tp"``.
+        hsdp_shard: size of the sharding axis for ``"hsdp"`` (e.g. GPUs per node).
+        units, mixed_precision, checkpoint, prefetch: the policy shared by all strategies.
+        optimizer, loss_fn: as for :func:`plan`.
+
+    Raises:
+        ValueError: an unknown strategy, or a size that does not divide ``world_size``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+        >>> cmp = ff.compare_strategies(model, 4, strategies=("ddp", "zero2", "zero3"))
+        >>> [r.param_bytes for r in cmp.reports]
+        [66560, 16640, 16640]
+    """
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(
+            f"compare_strategies: unknown strategy {unknown[0]!r}; choose from {STRATEGIES}."
+        )
+    base = dict(
+        mixed_precision=mixed_precision or MixedPrecision(),
+        checkpoint=checkpoint,
+        prefetch=prefetch,
+    )
+    common: dict[str, Any] = dict(batch=batch, units=units, optimizer=optimizer, loss_fn=loss_fn)
+    reports = []
+    for s in strategies:
+        if s == "ddp":
+            kw: dict[str, Any] = dict(mesh={"dp": world_size}, specs=P())
+        elif s == "zero1":
+            kw = dict(mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"))
+        elif s == "zero2":
+            kw = dict(mesh={"dp": world_size}, policy=Policy(reshard_after_forward=False, **base))
+        elif s == "zero3":
+            kw = dict(mesh={"dp": world_size})
+        elif s == "hsdp":
+            _check_divides("hsdp_shard", hsdp_shard, world_size)
+            kw = dict(mesh={"replicate": world_size // hsdp_shard, "shard": hsdp_shard})
+        else:
+            if tp_plan is None:
+                continue
+            _check_divides("tp", tp, world_size)
+            kw = dict(mesh={"dp": world_size // tp, "tp": tp}, tp_plan=tp_plan)
+        kw.setdefault("policy", Policy(**base))
+        mesh = kw.pop("mesh")
+        reports.append(plan(model, mesh, name=s, **common, **kw))
+    return Comparison(tuple(reports))
+
+
+def _check_divides(name: str, size: int, world_size: int) -> None:
+    if size < 1 or world_size % size:
+        raise ValueError(
+            f"compare_strategies: {name}={size} does not divide world_size={world_size}; pick "
+            f"a {name} that divides it."
+        )

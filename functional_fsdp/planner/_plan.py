@@ -1,0 +1,736 @@
+"""``ff.plan``: what one training step costs per device, from shapes alone.
+
+The planner prices a configuration with the same pure data the engine runs on: the specs are
+resolved as :func:`functional_fsdp.fsdp` resolves them, laid out with
+:meth:`Layout.make <functional_fsdp.Layout.make>` on the mesh's axis sizes, and grouped into
+units and all-gather rounds by :func:`functional_fsdp.fsdp.plan.make_plan`. No process group,
+no mesh and no real memory: the model may live on ``meta``.
+
+Figures (per rank; every rank holds a block of the same padded shape):
+
+* **at rest**: parameter, gradient and optimizer-state bytes, padding included. Optimizer
+  state is measured by running the optimizer's ``init`` on ``meta`` shards.
+* **gathered parameters**: the largest unit, and the peak of gathered-parameter bytes with
+  prefetch, as :func:`functional_fsdp.track_memory` counts them (the root unit stays
+  gathered; with ``reshard_after_forward`` the peak is the root plus the largest window of
+  ``1 + prefetch`` consecutive units, without it every unit).
+* **activations**: storages saved for backward by one forward on ``meta`` on this rank's
+  share of the batch (see :mod:`._activations`), per unit, with the policy's checkpointing,
+  without any and with every unit checkpointed.
+* **communication**: every collective one ``train_step`` issues, by kind and mesh axis, in
+  the bytes :class:`functional_fsdp.CommRecord` counts (ring bytes sent per rank).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import optree
+import torch
+from torch import nn
+
+from .._tree import NAMESPACE
+from ..fsdp.plan import Plan, gather_dtype, make_plan, plan_rounds
+from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units
+from ..optim.transforms import GradientTransformation, adamw, sgd
+from ..sharding import Specs, resolve_specs
+from ..spec import Layout, P, format_mesh
+from ..tp.styles import Style
+from . import _activations
+
+GiB = 1024**3
+OptimizerArg = GradientTransformation | Literal["adamw", "adam", "sgd", "momentum"] | None
+BatchArg = tuple[int, ...] | torch.Tensor | tuple[Any, ...] | Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class CommFigure:
+    """Collectives of one kind over one mesh axis in a training step, per rank.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        axis: the mesh axis.
+        count: how many.
+        bytes: ring bytes one rank sends (as :class:`functional_fsdp.CommRecord` counts).
+        source: ``"fsdp"`` (parameter gathers and gradient reductions), ``"tp"``
+            (tensor-parallel activations) or ``"step"`` (loss, global norm, ZeRO-1 gather).
+
+    Example:
+        >>> CommFigure("all_gather", "dp", 3, 4096, "fsdp")
+        CommFigure(kind='all_gather', axis='dp', count=3, bytes=4096, source='fsdp')
+    """
+
+    kind: str
+    axis: str
+    count: int
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class UnitFigure:
+    """One unit's figures, per rank.
+
+    Attributes:
+        name: module path (``""``: the root unit, ``"<loss>"``: the loss).
+        params: parameter elements (global, unpadded).
+        gathered_bytes: its gathered (padded) parameters in the gather dtype.
+        activation_bytes: saved for backward by its forward (``None`` without a batch).
+        checkpoint_bytes: what it keeps when checkpointed: its inputs.
+        checkpointed: whether the policy checkpoints it.
+
+    Example:
+        >>> UnitFigure("blocks.0", 1024, 4096, 8192, 512, False).activation_bytes
+        8192
+    """
+
+    name: str
+    params: int
+    gathered_bytes: int
+    activation_bytes: int | None
+    checkpoint_bytes: int | None
+    checkpointed: bool
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What one training step costs per device, priced from shapes (see :func:`plan`).
+
+    All byte figures are per rank. Render with :meth:`table` (rich), in Jupyter (HTML), or
+    take :meth:`to_dict`.
+
+    Attributes:
+        name: a label (the strategy's name for :func:`compare_strategies`).
+        mesh: ``{axis: size}``.
+        data_axes: the axes that split the batch.
+        params: parameter elements of the model (tied ones once).
+        trainable: trainable parameter elements.
+        param_bytes: parameter shards at rest, padding included.
+        padding_bytes: the padding part of ``param_bytes`` (beyond an exact share of each
+            tensor over the axes that split it, rounded to a byte).
+        grad_bytes: gradients of the trainable parameters, in their at-rest layout.
+        opt_state_bytes: optimizer state (in the ``opt_specs`` layout for ZeRO-1).
+        largest_unit: the unit with the most gathered bytes (``""``: the root unit).
+        largest_unit_bytes: its gathered bytes.
+        root_bytes: the root unit's gathered bytes (it stays gathered for the step).
+        gathered_peak_bytes: peak of gathered-parameter bytes with prefetch.
+        activation_bytes: activations kept for backward under the policy's checkpointing
+            (``None`` when no batch was given).
+        activation_bytes_no_checkpoint: the same without checkpointing.
+        activation_bytes_checkpoint: the same with every unit checkpointed.
+        recompute_bytes: the largest activations of one checkpointed unit, alive while it is
+            recomputed in backward (0 when nothing is checkpointed).
+        comms: the step's collectives (see :class:`CommFigure`).
+        units: per-unit figures, the root unit first.
+        seconds: how long planning took.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> report = ff.plan(torch.nn.Linear(1000, 1001), {"dp": 8}, optimizer="adamw")
+        >>> report.param_bytes  # 126 of the 1001 rows (padded), and 126 of the bias
+        504504
+        >>> report.padding_bytes, report.opt_state_bytes  # AdamW: mu and nu
+        (3504, 1009008)
+        >>> report.by_kind_and_axis()[("reduce_scatter", "dp")]  # one unit: one reduce-scatter
+        (1, 3531528)
+    """
+
+    name: str
+    mesh: dict[str, int]
+    data_axes: tuple[str, ...]
+    params: int
+    trainable: int
+    param_bytes: int
+    padding_bytes: int
+    grad_bytes: int
+    opt_state_bytes: int
+    largest_unit: str
+    largest_unit_bytes: int
+    root_bytes: int
+    gathered_peak_bytes: int
+    activation_bytes: int | None
+    activation_bytes_no_checkpoint: int | None
+    activation_bytes_checkpoint: int | None
+    recompute_bytes: int
+    comms: tuple[CommFigure, ...]
+    units: tuple[UnitFigure, ...] = field(repr=False)
+    seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the mesh."""
+        return math.prod(self.mesh.values())
+
+    @property
+    def at_rest_bytes(self) -> int:
+        """Parameters, gradients and optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.opt_state_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """An upper estimate of the step's peak: at rest + gathered peak + activations (+ the
+        recompute of one checkpointed unit). It adds figures whose peaks need not coincide,
+        and leaves out transient buffers (the reduce-scatter inputs of one unit, the
+        optimizer's temporaries, the allocator's fragmentation)."""
+        return (
+            self.at_rest_bytes
+            + self.gathered_peak_bytes
+            + (self.activation_bytes or 0)
+            + self.recompute_bytes
+        )
+
+    def fits(self, gib: float) -> bool:
+        """Whether :attr:`peak_bytes` fits in ``gib`` GiB per device.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> report = ff.plan(torch.nn.Linear(1024, 1024), {"dp": 8})
+            >>> report.fits(1.0), report.fits(0.001)
+            (True, False)
+        """
+        return self.peak_bytes <= gib * GiB
+
+    def comm_bytes(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Bytes sent per rank per step, optionally of one kind and/or over one axis."""
+        return sum(
+            c.bytes
+            for c in self.comms
+            if (kind is None or c.kind == kind) and (axis is None or c.axis == axis)
+        )
+
+    def by_kind_and_axis(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(kind, axis): (count, bytes)}``, comparable with
+        :meth:`functional_fsdp.CommCounter.by_kind_and_axis` of a measured step."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for c in self.comms:
+            n, b = out.get((c.kind, c.axis), (0, 0))
+            out[(c.kind, c.axis)] = (n + c.count, b + c.bytes)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (ints, strings, lists, dicts), e.g. for JSON."""
+        return {
+            "name": self.name,
+            "mesh": dict(self.mesh),
+            "data_axes": list(self.data_axes),
+            "params": self.params,
+            "trainable": self.trainable,
+            "param_bytes": self.param_bytes,
+            "padding_bytes": self.padding_bytes,
+            "grad_bytes": self.grad_bytes,
+            "opt_state_bytes": self.opt_state_bytes,
+            "largest_unit": self.largest_unit,
+            "largest_unit_bytes": self.largest_unit_bytes,
+            "root_bytes": self.root_bytes,
+            "gathered_peak_bytes": self.gathered_peak_bytes,
+            "activation_bytes": self.activation_bytes,
+            "activation_bytes_no_checkpoint": self.activation_bytes_no_checkpoint,
+            "activation_bytes_checkpoint": self.activation_bytes_checkpoint,
+            "recompute_bytes": self.recompute_bytes,
+            "peak_bytes": self.peak_bytes,
+            "comms": [vars(c) | {} for c in self.comms],
+            "units": [vars(u) | {} for u in self.units],
+        }
+
+    def table(self) -> Any:
+        """A ``rich`` renderable: memory per device, then communication per axis."""
+        from ._render import report_table
+
+        return report_table(self)
+
+    def __rich__(self) -> Any:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        from ._render import to_html
+
+        return to_html(self.table())
+
+    def summary(self) -> str:
+        """The table as plain text."""
+        from ._render import to_text
+
+        return to_text(self.table())
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _ShapeMesh:
+    """Axis names and sizes where code reads only those from a mesh (no process group)."""
+
+    def __init__(self, sizes: Mapping[str, int]):
+        self.mesh_dim_names = tuple(sizes)
+        self.shape = tuple(sizes.values())
+
+
+def _sizes_of(mesh: Any) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        sizes = {str(a): s for a, s in mesh.items()}
+    elif hasattr(mesh, "mesh_dim_names"):
+        from ..dist.mesh import axis_sizes
+
+        sizes = axis_sizes(mesh)
+    else:
+        raise TypeError(
+            f"ff.plan takes the mesh as {{axis: size}}, e.g. {{'dp': 8}} or {{'dp': 4, 'tp': 2}} "
+            f"(or a DeviceMesh), got {type(mesh).__name__}."
+        )
+    for a, s in sizes.items():
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise ValueError(
+                f"ff.plan: mesh axis {a!r} has size {s!r} in {sizes}; sizes are positive ints."
+            )
+    return sizes
+
+
+def _optimizer(opt: OptimizerArg) -> GradientTransformation | None:
+    if opt is None or isinstance(opt, GradientTransformation):
+        return opt
+    makers: dict[str, Callable[[], GradientTransformation]] = {
+        "adamw": lambda: adamw(1e-3),
+        "adam": lambda: adamw(1e-3, weight_decay=0.0),
+        "sgd": lambda: sgd(1e-3),
+        "momentum": lambda: sgd(1e-3, momentum=0.9),
+    }
+    if opt not in makers:
+        raise ValueError(
+            f"ff.plan(optimizer={opt!r}): use a GradientTransformation (e.g. ff.adamw(3e-4)), "
+            f"one of {sorted(makers)}, or None for no optimizer state."
+        )
+    return makers[opt]()
+
+
+def _state_bytes(optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]) -> int:
+    if optimizer is None or not shards:
+        return 0
+    state = optimizer.init(shards)
+    return sum(
+        t.numel() * t.element_size()
+        for t in optree.tree_leaves(state, namespace=NAMESPACE)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: tuple[str, ...]):
+    """``(args, kwargs)`` on ``meta``: this rank's share of the global batch."""
+    if batch is None:
+        return None
+    if isinstance(batch, tuple) and all(isinstance(s, int) for s in batch):
+        batch = (torch.zeros(batch, dtype=torch.long, device="meta"),)
+    elif isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if isinstance(batch, Mapping):
+        args, kwargs = (), dict(batch)
+    elif isinstance(batch, (tuple, list)):
+        args, kwargs = tuple(batch), {}
+    else:
+        raise TypeError(
+            f"ff.plan(batch=...): give the global batch as a shape of token ids (e.g. (8, "
+            f"1024)), a tensor, a tuple of positional inputs or a dict of keyword inputs; got "
+            f"{type(batch).__name__}."
+        )
+
+    def local(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.ndim == 0 or x.shape[0] % n:
+            raise ValueError(
+                f"ff.plan: a global batch of shape {tuple(x.shape)} does not split over the "
+                f"{n} data-parallel ranks of {format_mesh(sizes)} (data axes {data_axes}); "
+                f"use a batch size that is a multiple of {n}."
+            )
+        shape = (x.shape[0] // n, *x.shape[1:])
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    return optree.tree_map(local, (args, kwargs), none_is_leaf=True)
+
+
+def _record(kind: str, n: int, nbytes: int) -> int:
+    """Bytes :func:`functional_fsdp.dist.collectives._record` books for one collective."""
+    if kind == "all_gather":
+        return nbytes * n * (n - 1) // n
+    if kind == "reduce_scatter":
+        return nbytes * (n - 1) // n
+    return 2 * nbytes * (n - 1) // n
+
+
+class _Comms:
+    def __init__(self) -> None:
+        self.items: dict[tuple[str, str, str], list[int]] = {}
+
+    def add(self, kind: str, axis: str, n: int, nbytes: int, source: str, times: int = 1) -> None:
+        if n == 1 or times == 0:
+            return
+        slot = self.items.setdefault((kind, axis, source), [0, 0])
+        slot[0] += times
+        slot[1] += times * _record(kind, n, nbytes)
+
+    def figures(self) -> tuple[CommFigure, ...]:
+        return tuple(
+            CommFigure(kind, axis, n, b, source)
+            for (kind, axis, source), (n, b) in sorted(self.items.items())
+        )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(
+    model: nn.Module,
+    mesh: Mapping[str, int] | Any,
+    *,
+    batch: BatchArg = None,
+    specs: Specs | None = None,
+    units: UnitsArg = None,
+    policy: Policy | None = None,
+    data_axes: Sequence[str] | None = None,
+    trainable: Sequence[str] | Callable[[str], bool] | None = None,
+    tp_plan: Mapping[str, Style] | None = None,
+    tp_axis: str = "tp",
+    optimizer: OptimizerArg = "adamw",
+    opt_specs: Specs | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | Literal["lm"] | None = "lm",
+    accumulate: int = 1,
+    name: str = "",
+) -> PlanReport:
+    """Price one training step of ``model`` on a mesh, per device, from shapes alone.
+
+    Takes the arguments of :func:`functional_fsdp.fsdp` (and of
+    :func:`functional_fsdp.tensor_parallel` and :func:`functional_fsdp.train_step` where
+    they matter) and returns a :class:`PlanReport`. Nothing is allocated and no process is
+    started: build big models on ``meta`` (``with torch.device("meta"): model = ...``).
+
+    The communication figures are those of ``ff.train_step(..., model=sharded_model)`` with
+    the ``optimizer`` (its loss all-reduce and global-norm all-reduces included), each unit
+    called once per forward; TP figures leave out the collectives of a user's loss (e.g.
+    :func:`functional_fsdp.vocab_parallel_cross_entropy`).
+
+    Args:
+        model: the module (any device; ``meta`` for big ones). Never modified.
+        mesh: ``{axis: size}``, e.g. ``{"dp": 1024}`` or ``{"dp": 128, "tp": 8}``.
+        batch: the global batch: a shape of token ids (``(batch, seq)``), a tensor, a tuple
+            of positional inputs or a dict of keyword inputs (values on ``meta`` are fine).
+            Dim 0 is split over the data axes. ``None``: no activation figures.
+        specs, units, policy, data_axes, trainable: as for :func:`functional_fsdp.fsdp`.
+        tp_plan: a tensor-parallel plan (``{pattern: Style}``) over ``tp_axis``; the specs are
+            then those of :func:`functional_fsdp.tensor_parallel` unless ``specs`` is given.
+        optimizer: a ``GradientTransformation``, ``"adamw"``, ``"adam"``, ``"sgd"``,
+            ``"momentum"`` or ``None``; its state is measured by running its ``init``.
+        opt_specs: the optimizer layout for ZeRO-1 (as for ``train_step``).
+        loss_fn: ``loss_fn(output) -> scalar`` run after the forward for its activations;
+            ``"lm"`` (default): next-token cross entropy on the logits in float32; ``None``:
+            no loss.
+        accumulate: micro-batches per step (``accumulate_mode="reduce_each"``): the batch
+            is split further and the FSDP collectives repeat per micro-batch.
+        name: a label for tables and comparisons.
+
+    Raises:
+        ValueError: a spec that does not fit its parameter, a batch that does not split over
+            the data ranks, an unknown axis, or a TP style the planner does not model.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> from functional_fsdp.models import GPT, GPTConfig
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=2, n_embd=64))
+        >>> report = ff.plan(model, {"dp": 4}, batch=(8, 64))
+        >>> report.param_bytes * 4 >= 4 * sum(p.numel() for p in model.parameters())
+        True
+        >>> report.by_kind_and_axis()[("all_gather", "dp")][0]  # root + 2 blocks, twice
+        6
+    """
+    start = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"ff.plan takes an nn.Module, got {type(model).__name__}: build the model (on "
+            f"'meta' for big ones) and pass it, e.g. ff.plan(model, {{'dp': 8}})."
+        )
+    sizes = _sizes_of(mesh)
+    mesh_str = format_mesh(sizes)
+    if tp_plan is not None and tp_axis not in sizes:
+        raise ValueError(
+            f"ff.plan(tp_plan=...): the mesh {mesh_str} has no tensor-parallel axis "
+            f"{tp_axis!r}; add one, e.g. {{'dp': 4, {tp_axis!r}: 2}}, or pass tp_axis=."
+        )
+    if data_axes is None:
+        data_axes = tuple(a for a in sizes if a != tp_axis)
+    data_axes = tuple(data_axes)
+    unknown = [a for a in data_axes if a not in sizes]
+    if unknown:
+        raise ValueError(
+            f"ff.plan: data_axes {data_axes} name {unknown[0]!r}, which {mesh_str} lacks"
+        )
+    if accumulate < 1:
+        raise ValueError(f"ff.plan: accumulate must be >= 1, got {accumulate}")
+    policy = policy or Policy()
+    mp = policy.mixed_precision
+    shape_mesh = _ShapeMesh(sizes)
+    styles: dict[str, Style] = {}
+    if tp_plan is not None:
+        from ..tp.plan import tensor_parallel
+
+        tp = tensor_parallel(model, shape_mesh, tp_plan, axis=tp_axis)  # type: ignore[arg-type]
+        styles = tp.styles
+        if specs is None:
+            specs = tp.specs
+    if specs is None:
+        specs = default_specs(shape_mesh, data_axes)  # type: ignore[arg-type]
+    unit_paths = tuple(find_units(model, units))
+    module_params = dict(model.named_parameters())
+    paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
+    resolved = dict(zip((p[0] for p in paths), resolve_specs(module_params, specs)))
+    param_specs = {n: resolved[n] or P() for n in module_params}
+    the_plan: Plan = make_plan(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype)
+    train = _trainable(model, trainable)
+
+    # ---- at rest
+    layouts: dict[str, Layout] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for up in the_plan.units.values():
+        for n, lay, dt in zip(up.names, up.layouts, up.dtypes):
+            layouts[n], dtypes[n] = lay, dt
+    param_bytes = sum(layouts[n].local_numel * dtypes[n].itemsize for n in layouts)
+    total_elems = sum(_numel(lay.global_shape) for lay in layouts.values())
+    # Padding: what a rank holds beyond its share of the distinct values (replicas included).
+    exact = sum(
+        _numel(layouts[n].global_shape)
+        * dtypes[n].itemsize
+        / math.prod(sizes[a] for a in layouts[n].spec.axes)
+        for n in layouts
+    )
+    padding = param_bytes - round(exact)
+    grad_bytes = sum(layouts[n].local_numel * dtypes[n].itemsize for n in layouts if n in train)
+    opt = _optimizer(optimizer)
+    opt_layouts = dict(layouts)
+    if opt_specs is not None:
+        tr = {n: module_params[n] for n in layouts if n in train}
+        tpaths = optree.tree_paths(tr, none_is_leaf=True)  # type: ignore[arg-type]
+        ospecs = dict(zip((p[0] for p in tpaths), resolve_specs(tr, opt_specs)))
+        opt_layouts = {n: Layout.make(layouts[n].global_shape, ospecs[n] or P(), sizes) for n in tr}
+    shards = {
+        n: torch.empty(opt_layouts[n].local_shape, dtype=dtypes[n], device="meta")
+        for n in layouts
+        if n in train
+    }
+    opt_state_bytes = _state_bytes(opt, shards)
+
+    # ---- gathered parameters
+    root = the_plan.units.get("")
+    root_bytes = root.gathered_bytes if root is not None else 0
+    order = [the_plan.units[u].gathered_bytes for u in the_plan.order]
+    if policy.reshard_after_forward:
+        w = policy.prefetch + 1
+        window = max((sum(order[i : i + w]) for i in range(len(order))), default=0)
+    else:
+        window = sum(order)
+    gathered_peak = root_bytes + window
+    largest = max(the_plan.units.values(), key=lambda u: u.gathered_bytes)
+
+    # ---- activations (and which units run a backward, and the TP collectives)
+    trace = None
+    n_data = math.prod(sizes[a] for a in data_axes)
+    local = _local_batch(batch, n_data * accumulate, sizes, data_axes)
+    if local is not None:
+        params = _compute_params(the_plan, sizes, data_axes, mp.param_dtype, train)
+        loss = _activations.lm_loss if loss_fn == "lm" else loss_fn
+        trace = _activations.trace_forward(
+            model,
+            params,
+            the_plan.order,
+            local[0],
+            local[1],
+            loss,  # type: ignore[arg-type]
+            styles,
+            tp_axis,
+            sizes.get(tp_axis, 1),
+            mp.param_dtype if mp.cast_forward_inputs else None,
+        )
+    ckpt = policy.checkpoint
+
+    def checkpointed(u: str) -> bool:
+        if u == "" or u == "<loss>":
+            return False
+        return bool(ckpt(u)) if callable(ckpt) else bool(ckpt)
+
+    act = act_none = act_all = None
+    recompute = 0
+    unit_figs = []
+    if trace is not None:
+        run_units = [u for u in the_plan.order if u in trace.saved]
+
+        def total(ck: Callable[[str], bool]) -> int:
+            kept: dict[Any, int] = {}
+            for u, saved in trace.saved.items():
+                kept.update(trace.inputs.get(u, {}) if u in run_units and ck(u) else saved)
+            return sum(kept.values())
+
+        act = total(checkpointed)
+        act_none = total(lambda u: False)
+        act_all = total(lambda u: True)
+        recompute = max(
+            (sum(trace.saved[u].values()) for u in run_units if checkpointed(u)), default=0
+        )
+    for u in ["", *the_plan.order, *(["<loss>"] if trace and "<loss>" in trace.saved else [])]:
+        up = the_plan.units.get(u)
+        if u == "" and up is None and trace is None:
+            continue
+        saved = trace.saved.get(u) if trace is not None else None
+        inputs = trace.inputs.get(u) if trace is not None else None
+        unit_figs.append(
+            UnitFigure(
+                name=u,
+                params=sum(_numel(lay.global_shape) for lay in up.layouts) if up else 0,
+                gathered_bytes=up.gathered_bytes if up else 0,
+                activation_bytes=sum(saved.values()) if saved is not None else None,
+                checkpoint_bytes=sum(inputs.values()) if inputs is not None else None,
+                checkpointed=checkpointed(u) if u in the_plan.order else False,
+            )
+        )
+
+    # ---- communication
+    comms = _Comms()
+    sync = policy.grad_reduce != "none"
+    reduce_dtype = mp.reduce_dtype or mp.param_dtype
+    any_trainable = bool(train)
+    for uname, up in the_plan.units.items():
+        runs_backward = (
+            (trace.grad_out.get(uname, any_trainable) if trace is not None else any_trainable)
+            if uname
+            else any_trainable
+        )
+        gathers = 1 + (1 if policy.reshard_after_forward and runs_backward else 0)
+        for rnd in up.rounds:
+            nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize
+            comms.add("all_gather", rnd.axis, rnd.size, nbytes, "fsdp", gathers * accumulate)
+        needed = {i for i, n in enumerate(up.names) if n in train}
+        if not needed or not sync:
+            continue
+        for rnd in reversed(up.rounds):
+            pieces = [p for p in rnd.pieces if p.index in needed]
+            if pieces:
+                dt = (
+                    reduce_dtype
+                    if reduce_dtype is not None and rnd.dtype.is_floating_point
+                    else rnd.dtype
+                )
+                nbytes = sum(_numel(p.local_shape) for p in pieces) * rnd.size * dt.itemsize
+                comms.add("reduce_scatter", rnd.axis, rnd.size, nbytes, "fsdp", accumulate)
+        if any(sizes[a] > 1 for i in needed for a in up.replicated[i]):
+            axes = sorted({a for i in needed for a in up.replicated[i]})
+            for axis in axes:
+                by_dtype: dict[torch.dtype, int] = {}
+                for i in sorted(needed):
+                    if axis in up.replicated[i]:
+                        own = gather_dtype(up.dtypes[i], mp.param_dtype)
+                        dt = (
+                            reduce_dtype
+                            if reduce_dtype is not None and own.is_floating_point
+                            else own
+                        )
+                        by_dtype[dt] = by_dtype.get(dt, 0) + up.layouts[i].local_numel * dt.itemsize
+                for nbytes in by_dtype.values():
+                    comms.add("all_reduce", axis, sizes[axis], nbytes, "fsdp", accumulate)
+    if trace is not None:
+        for u, records in trace.tp.items():
+            again = 2 if u in the_plan.order and checkpointed(u) else 1
+            for phase, kind, axis, _, nbytes, _ in records:
+                times = accumulate * (again if phase == "forward" else 1)
+                comms.items.setdefault((kind, axis, "tp"), [0, 0])
+                slot = comms.items[(kind, axis, "tp")]
+                slot[0] += times
+                slot[1] += times * nbytes
+    # train_step: the loss mean, the global gradient norm, ZeRO-1's gather of the params.
+    for axis in data_axes:
+        comms.add("all_reduce", axis, sizes[axis], 4, "step")
+    grad_layouts = opt_layouts if opt_specs is not None else layouts
+    groups = {
+        tuple(a for a in sizes if a in grad_layouts[n].spec.axes)
+        for n in grad_layouts
+        if n in train
+    }
+    for axis in sizes:
+        k = sum(1 for g in groups if axis in g)
+        if k:
+            comms.add("all_reduce", axis, sizes[axis], 4 * k, "step")
+    if opt_specs is not None:
+        names = [n for n in layouts if n in train]
+        wanted = {
+            a for n in names for a in opt_layouts[n].spec.axes if a not in layouts[n].spec.axes
+        }
+        rounds = plan_rounds(
+            [opt_layouts[n] for n in names], sizes, tuple(wanted), [dtypes[n] for n in names]
+        )
+        for rnd in rounds:
+            nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize
+            comms.add("all_gather", rnd.axis, rnd.size, nbytes, "step")
+
+    return PlanReport(
+        name=name,
+        mesh=dict(sizes),
+        data_axes=data_axes,
+        params=total_elems,
+        trainable=sum(_numel(layouts[n].global_shape) for n in layouts if n in train),
+        param_bytes=param_bytes,
+        padding_bytes=max(padding, 0),
+        grad_bytes=grad_bytes,
+        opt_state_bytes=opt_state_bytes,
+        largest_unit=largest.name,
+        largest_unit_bytes=largest.gathered_bytes,
+        root_bytes=root_bytes,
+        gathered_peak_bytes=gathered_peak,
+        activation_bytes=act,
+        activation_bytes_no_checkpoint=act_none,
+        activation_bytes_checkpoint=act_all,
+        recompute_bytes=recompute,
+        comms=comms.figures(),
+        units=tuple(unit_figs),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _trainable(model: nn.Module, trainable: Any) -> frozenset[str]:
+    names = [n for n, _ in model.named_parameters()]
+    if trainable is None:
+        return frozenset(n for n, p in model.named_parameters() if p.requires_grad)
+    if callable(trainable):
+        return frozenset(n for n in names if trainable(n))
+    unknown = sorted(set(trainable) - set(names))
+    if unknown:
+        raise ValueError(
+            f"ff.plan(trainable=...) names {unknown[:5]}, which are not parameters of "
+            f"{type(model).__name__} (names look like {names[:4]})."
+        )
+    return frozenset(trainable)
+
+
+def _compute_params(
+    the_plan: Plan,
+    sizes: Mapping[str, int],
+    data_axes: tuple[str, ...],
+    param_dtype: torch.dtype | None,
+    train: frozenset[str],
+) -> dict[str, torch.Tensor]:
+    """``{alias: meta tensor}`` in the shape a rank computes with: gathered over the data
+    axes, still split over the model axes (tensor parallelism)."""
+    out: dict[str, torch.Tensor] = {}
+    for up in the_plan.units.values():
+        for n, aliases, lay, dt in zip(up.names, up.aliases, up.layouts, up.dtypes):
+            spec = lay.spec
+            for a in data_axes:
+                if a in spec.axes:
+                    spec = spec.without(a)
+            shape = Layout.make(lay.global_shape, spec, sizes).local_shape
+            t = torch.empty(shape, dtype=gather_dtype(dt, param_dtype), device="meta")
+            t.requires_grad_(n in train and t.is_floating_point())
+            for alias in aliases:
+                out[alias] = t
+    return out

@@ -1,0 +1,149 @@
+"""Tables (rich), HTML and plots of planner reports (private; ``rich`` and ``matplotlib`` load lazily)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._plan import PlanReport
+
+PARTS = ("params", "grads", "optimizer", "gathered", "activations")
+
+
+def human(n: int | float | None) -> str:
+    """Bytes as ``1.50 GiB`` / ``12.0 MiB`` / ``512 B``; ``-`` for ``None``."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parts(report: PlanReport) -> dict[str, int]:
+    """The peak estimate split into its parts (bytes per device)."""
+    return {
+        "params": report.param_bytes,
+        "grads": report.grad_bytes,
+        "optimizer": report.opt_state_bytes,
+        "gathered": report.gathered_peak_bytes,
+        "activations": (report.activation_bytes or 0) + report.recompute_bytes,
+    }
+
+
+def report_table(report: PlanReport) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
+    title = f"{report.name + ': ' if report.name else ''}per device on {mesh}"
+    mem = Table(title=title, title_justify="left")
+    mem.add_column("memory")
+    mem.add_column("bytes", justify="right")
+    rows = [
+        ("parameters (shards)", report.param_bytes),
+        ("  of which padding", report.padding_bytes),
+        ("gradients", report.grad_bytes),
+        ("optimizer state", report.opt_state_bytes),
+        (f"largest unit ({report.largest_unit or '<root>'})", report.largest_unit_bytes),
+        ("gathered peak (prefetch)", report.gathered_peak_bytes),
+        ("activations", report.activation_bytes),
+        ("  without checkpointing", report.activation_bytes_no_checkpoint),
+        ("  every unit checkpointed", report.activation_bytes_checkpoint),
+        ("peak estimate", report.peak_bytes),
+    ]
+    for label, value in rows:
+        mem.add_row(label, human(value))
+    comm = Table(title="communication per step (bytes sent per rank)", title_justify="left")
+    for col in ("kind", "axis", "source", "count", "bytes"):
+        comm.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    for c in report.comms:
+        comm.add_row(c.kind, c.axis, c.source, str(c.count), human(c.bytes))
+    return Group(mem, comm)
+
+
+def comparison_table(reports: Sequence[PlanReport], gib: float | None = None) -> Any:
+    from rich.table import Table
+
+    table = Table(title="per device" + (f" (fits in {gib:g} GiB?)" if gib else ""))
+    table.add_column("strategy")
+    table.add_column("mesh")
+    for col in (*PARTS, "peak", "comm/step"):
+        table.add_column(col, justify="right")
+    if gib is not None:
+        table.add_column("fits")
+    for r in reports:
+        p = parts(r)
+        row = [r.name, " x ".join(f"{a}={s}" for a, s in r.mesh.items())]
+        row += [human(p[k]) for k in PARTS] + [human(r.peak_bytes), human(r.comm_bytes())]
+        if gib is not None:
+            row.append("yes" if r.fits(gib) else "no")
+        table.add_row(*row)
+    return table
+
+
+def to_text(renderable: Any, width: int = 110) -> str:
+    from rich.console import Console
+
+    console = Console(
+        file=io.StringIO(), width=width, color_system=None, record=True, force_jupyter=False
+    )
+    console.print(renderable)
+    return console.export_text()
+
+
+def to_html(renderable: Any) -> str:
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=110, record=True, force_jupyter=False)
+    console.print(renderable)
+    return console.export_html(inline_styles=True)
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot(reports: Sequence[PlanReport], gib: float | None = None, ax: Any = None) -> Any:
+    """Stacked bars of :func:`parts` per report (matplotlib), or a text chart without it."""
+    if not have_matplotlib():
+        return text_chart(reports, gib)
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 0.9 * len(reports)), 4))
+    labels = [r.name or str(r.mesh) for r in reports]
+    bottom = [0.0] * len(reports)
+    for part in PARTS:
+        values = [parts(r)[part] / 1024**3 for r in reports]
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    if gib is not None:
+        ax.axhline(gib, color="black", linestyle="--", linewidth=1, label=f"{gib:g} GiB")
+    ax.set_ylabel("GiB per device")
+    ax.tick_params(axis="x", labelrotation=45)
+    ax.legend(fontsize="small")
+    return ax
+
+
+def text_chart(reports: Sequence[PlanReport], gib: float | None = None, width: int = 50) -> str:
+    """A bar per report, one letter per part (p, g, o, G, a), scaled to the largest peak."""
+    letters = dict(zip(PARTS, "pgoGa"))
+    top = max([r.peak_bytes for r in reports] + [gib * 1024**3 if gib else 0]) or 1
+    name_w = max(len(r.name or str(r.mesh)) for r in reports)
+    lines = []
+    for r in reports:
+        bar = "".join(letters[k] * round(v / top * width) for k, v in parts(r).items())
+        lines.append(f"{(r.name or str(r.mesh)):<{name_w}} |{bar:<{width}}| {human(r.peak_bytes)}")
+    legend = ", ".join(f"{c}={k}" for k, c in letters.items())
+    if gib:
+        mark = round(gib * 1024**3 / top * width)
+        lines.append(f"{'':<{name_w}}  {' ' * mark}^ {gib:g} GiB")
+    lines.append(f"({legend})")
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""Worker functions for the planner tests: what a real step measures on gloo processes.
+
+Each case is a model, a mesh and ``ff.fsdp``/``train_step`` arguments; :func:`measure` runs
+one ``ff.train_step`` inside ``count_comms`` and ``track_memory`` and reports what it saw,
+the bytes of the real shards, gradients and optimizer state, and the activation storages a
+plain-autograd forward keeps for backward (parameters left out), which is what
+``ff.plan`` prices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import functional_fsdp as ff
+from functional_fsdp.fsdp.memory import track_memory
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
+from functional_fsdp.train import local_batch
+
+GPT_CFG = GPTConfig(n_layer=2, vocab_size=61, n_embd=36, n_head=3, block_size=16)  # uneven
+TP_CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16)
+BATCH, SEQ = 8, 12
+
+
+def llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
+
+
+def build(kind: str) -> nn.Module:
+    """The model of a case (on the current default device: ``meta`` for the planner)."""
+    if kind == "gpt":
+        return GPT(GPT_CFG)
+    if kind == "gpt_tp":
+        return GPT(TP_CFG)
+    if kind == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(llama_config())
+    raise ValueError(kind)
+
+
+def vocab(kind: str) -> int:
+    return {"gpt": GPT_CFG.vocab_size, "gpt_tp": TP_CFG.vocab_size, "llama": 96}[kind]
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def call(kind: str, f: Any, params: Any, x: torch.Tensor) -> Any:
+    return f.apply(params, input_ids=x) if kind == "llama" else f.apply(params, x)
+
+
+def planner_batch(kind: str) -> Any:
+    """The global batch as ``ff.plan`` takes it (on meta)."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return {"input_ids": ids} if kind == "llama" else (ids,)
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def measure(case: dict) -> dict:
+    """One train_step of ``case``: comms, gathered peak, bytes at rest and activations."""
+    kind, axes = case["model"], case["mesh"]
+    torch.manual_seed(0)
+    model = build(kind)
+    mesh = ff.make_mesh(axes)
+    fsdp_kwargs = dict(case.get("fsdp", {}))
+    if case.get("tp"):
+        tp = ff.tensor_parallel(model, mesh, gpt_plan(TP_CFG, loss_parallel=False))
+        fsdp_kwargs.update(specs=tp.specs, wrappers=tp.wrappers, data_axes=tp.data_axes)
+    f = ff.fsdp(model, mesh, **fsdp_kwargs)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+    opt = ff.adamw(1e-3)
+    step_kwargs = dict(case.get("step", {}))
+
+    def loss_fn(p: Any, b: Any) -> torch.Tensor:
+        return lm_loss(logits_of(call(kind, f, p, b[0])), b[1])
+
+    step = ff.train_step(loss_fn, opt, model=f, **step_kwargs)
+    state = ff.TrainState.create(f.shard(), opt, opt_specs=step_kwargs.get("opt_specs"))
+    with ff.count_comms() as comms, track_memory() as memory:
+        new_state, _ = step(state, (ids, tgt))
+
+    def nbytes(tree: Any) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in ff.tree_leaves(tree)
+            if isinstance(t, torch.Tensor)
+        )
+
+    x, y = local_batch((ids, tgt), mesh, f.data_axes)
+    grads = torch.func.grad(lambda p: lm_loss(logits_of(call(kind, f, p, x)), y))(state.params)
+    return {
+        "comms": comms.by_kind_and_axis(),
+        "gathered_peak": memory.peak_bytes,
+        "param_bytes": nbytes(state.params),
+        "grad_bytes": nbytes(grads),
+        "opt_state_bytes": nbytes(new_state.opt_state),
+        "activation_bytes": _activations(kind, f, state.params, x, y),
+    }
+
+
+def _activations(kind: str, f: Any, params: dict, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Storages saved for backward by a plain-autograd forward and loss through ``f.apply``,
+    less the gathered parameters (recorded by forward pre-hooks on the module copies, which
+    share the user's modules' hook dicts) and the shards."""
+    param_keys: set[int] = set()
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        for p in module._parameters.values():
+            if isinstance(p, torch.Tensor):
+                param_keys.add(_key(p))
+
+    handles = [m.register_forward_pre_hook(pre_hook) for m in f.module.modules()]
+    saved: dict[int, int] = {}
+    alive: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        alive.append(t)
+        saved.setdefault(_key(t), t.untyped_storage().nbytes())
+        return t
+
+    leaves = {k: v.local.detach().requires_grad_() for k, v in params.items()}
+    param_keys.update(_key(t) for t in leaves.values())
+    ps = {k: v.replace(leaves[k]) for k, v in params.items()}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = lm_loss(logits_of(call(kind, f, ps, x)), y)
+    finally:
+        for h in handles:
+            h.remove()
+    total = sum(b for k, b in saved.items() if k not in param_keys)
+    loss.backward()
+    return total
+
+
+def rank() -> int:
+    return dist.get_rank()

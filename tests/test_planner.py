@@ -1,0 +1,276 @@
+"""The shape-only planner (``ff.plan``): its figures against real gloo runs, its speed, its
+errors and its renderings.
+
+Every figure is compared with what a real ``ff.train_step`` measures: collective counts and
+bytes (``count_comms``) exactly, shard/gradient/optimizer-state bytes exactly (the real
+tensors), gathered-parameter peak exactly (``track_memory``), and activations within 10% of
+the storages a plain-autograd forward keeps for backward.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import functional_fsdp as ff
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+from functional_fsdp.planner import compare_strategies, plan
+
+from . import _planner_workers as W
+
+BF16 = ff.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+CASES_2 = {
+    "zero3": dict(model="gpt", mesh={"dp": 2}),
+    "zero2": dict(
+        model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(reshard_after_forward=False))
+    ),
+    "ddp": dict(model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P())),
+    "zero1": dict(
+        model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P()), step=dict(opt_specs=ff.P("dp"))
+    ),
+    "zero3_bf16": dict(
+        model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(mixed_precision=BF16))
+    ),
+    "zero3_ckpt_prefetch2": dict(
+        model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(checkpoint=True, prefetch=2))
+    ),
+    "llama_zero3": dict(model="llama", mesh={"dp": 2}),
+    "llama_zero2_ckpt": dict(
+        model="llama",
+        mesh={"dp": 2},
+        fsdp=dict(policy=ff.Policy(reshard_after_forward=False, checkpoint=True)),
+    ),
+}
+CASES_4 = {
+    "hsdp": dict(model="gpt", mesh={"replicate": 2, "shard": 2}),
+    "fsdp_tp": dict(model="gpt_tp", mesh={"dp": 2, "tp": 2}, tp=True),
+}
+
+
+def planned(case: dict) -> ff.planner.PlanReport:
+    with torch.device("meta"):
+        model = W.build(case["model"])
+    kwargs = dict(case.get("fsdp", {}))
+    if case.get("tp"):
+        kwargs["tp_plan"] = gpt_plan(W.TP_CFG, loss_parallel=False)
+    return plan(
+        model,
+        case["mesh"],
+        batch=W.planner_batch(case["model"]),
+        optimizer=ff.adamw(1e-3),
+        opt_specs=case.get("step", {}).get("opt_specs"),
+        **kwargs,
+    )
+
+
+def measure_all(cases: dict) -> dict:
+    return {name: W.measure(case) for name, case in cases.items()}
+
+
+def check(name: str, case: dict, measured: dict) -> None:
+    report = planned(case)
+    assert report.by_kind_and_axis() == measured["comms"], name
+    assert report.param_bytes == measured["param_bytes"], name
+    assert report.grad_bytes == measured["grad_bytes"], name
+    assert report.opt_state_bytes == measured["opt_state_bytes"], name
+    assert report.gathered_peak_bytes == measured["gathered_peak"], name
+    act = report.activation_bytes
+    assert abs(act - measured["activation_bytes"]) <= 0.10 * measured["activation_bytes"], (
+        name,
+        act,
+        measured["activation_bytes"],
+    )
+
+
+@pytest.mark.multiprocess
+def test_gloo_plan_matches_measured_steps_on_2_ranks(pools):
+    results = pools.run(2, measure_all, CASES_2)
+    for name, case in CASES_2.items():
+        check(name, case, results[0][name])
+
+
+@pytest.mark.multiprocess
+def test_gloo_plan_matches_measured_steps_on_2x2(pools):
+    results = pools.run(4, measure_all, CASES_4)
+    for name, case in CASES_4.items():
+        check(name, case, results[0][name])
+
+
+# --------------------------------------------------------------------------- pure tests
+
+
+def llama_70b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def llama_tp_plan(head_dim: int) -> dict:
+    return {
+        "model.embed_tokens": ff.VocabParallelEmbedding(),
+        "model.layers.*.self_attn.[qkv]_proj": ff.ColwiseParallel(head_dim=head_dim),
+        "model.layers.*.self_attn.o_proj": ff.RowwiseParallel(),
+        "model.layers.*.mlp.gate_proj": ff.ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ff.ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": ff.RowwiseParallel(),
+        "lm_head": ff.ColwiseParallel(output="replicated"),
+    }
+
+
+def test_70b_llama_plans_in_under_5_seconds_without_allocating():
+    model = llama_70b()
+    policy = ff.Policy(mixed_precision=BF16, checkpoint=True)
+    start = time.perf_counter()
+    dp = plan(model, {"dp": 1024}, batch=(1024, 4096), policy=policy)
+    dp_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tp = plan(
+        model,
+        {"dp": 128, "tp": 8},
+        batch=(128, 4096),
+        policy=policy,
+        tp_plan=llama_tp_plan(128),
+    )
+    tp_s = time.perf_counter() - start
+    assert dp_s < 5 and tp_s < 5, (dp_s, tp_s)
+    assert all(p.is_meta for p in model.parameters())
+    psi = sum(p.numel() for p in model.parameters())
+    assert 70e9 < psi < 71e9
+    # fp32 shards over 1024 ranks (plus padding); AdamW keeps two more copies.
+    assert psi * 4 / 1024 <= dp.param_bytes < psi * 4 / 1024 * 1.001
+    assert dp.opt_state_bytes == 2 * dp.param_bytes
+    # ZeRO-3 traffic: 2 bf16 all-gathers and one fp32 reduce-scatter of the model per step.
+    assert dp.comm_bytes("all_gather") == pytest.approx(2 * psi * 2, rel=1e-3)
+    assert dp.comm_bytes("reduce_scatter") == pytest.approx(psi * 4, rel=1e-3)
+    # TP: shards 8x bigger per dp rank but each rank holds 1/8 of each layer; TP all-reduces.
+    assert tp.param_bytes == pytest.approx(dp.param_bytes, rel=0.01)
+    assert tp.comm_bytes(axis="tp") > 0 and tp.comm_bytes("all_gather", "dp") < dp.comm_bytes(
+        "all_gather"
+    )
+    assert tp.largest_unit_bytes < dp.largest_unit_bytes
+    # Checkpointing keeps one residual per block: 80 x [1, 4096, 8192] in bf16 and more.
+    assert dp.activation_bytes < dp.activation_bytes_no_checkpoint / 10
+    assert dp.activation_bytes > 80 * 4096 * 8192 * 2
+
+
+def test_plan_never_touches_the_module_and_runs_on_a_real_module():
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    before = {n: p for n, p in model.named_parameters()}
+    values = {n: p.detach().clone() for n, p in before.items()}
+    report = plan(model, {"dp": 2}, batch=(4, 8))
+    assert {n: p for n, p in model.named_parameters()} == before
+    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert report.activation_bytes > 0 and report.param_bytes > 0
+
+
+def test_frozen_parameters_have_no_gradient_state_or_reduce_scatter():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    full = plan(model, {"dp": 2}, batch=(4, 8))
+    frozen = plan(model, {"dp": 2}, batch=(4, 8), trainable=lambda n: n.startswith("blocks.1"))
+    assert frozen.grad_bytes < full.grad_bytes and frozen.opt_state_bytes < full.opt_state_bytes
+    assert frozen.by_kind_and_axis()[("reduce_scatter", "dp")][0] == 1  # blocks.1 only
+    assert frozen.activation_bytes < full.activation_bytes
+    assert frozen.trainable < full.trainable == full.params
+
+
+def test_compare_strategies_side_by_side_and_fits():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=32))
+    cmp = compare_strategies(
+        model,
+        8,
+        batch=(16, 32),
+        tp_plan=gpt_plan(
+            GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=32),
+            loss_parallel=False,
+        ),
+        tp=2,
+        hsdp_shard=4,
+    )
+    names = [r.name for r in cmp.reports]
+    assert names == ["ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp+tp"]
+    ddp, zero1, zero2, zero3 = (cmp[n] for n in names[:4])
+    assert ddp.param_bytes == zero1.param_bytes > zero3.param_bytes == zero2.param_bytes
+    assert zero1.opt_state_bytes < ddp.opt_state_bytes
+    assert zero2.gathered_peak_bytes > zero3.gathered_peak_bytes
+    assert zero3.comm_bytes("all_gather") == 2 * zero2.comm_bytes("all_gather")
+    assert cmp["hsdp"].comm_bytes("all_reduce", "replicate") > 0
+    gib = (zero3.peak_bytes + ddp.peak_bytes) / 2 / 1024**3
+    assert "zero3" in cmp.fits(gib) and "ddp" not in cmp.fits(gib)
+    text = cmp.summary(gib)
+    assert "fsdp+tp" in text and "fits" in text
+    chart = cmp.text_chart(gib)
+    assert chart.count("\n") >= len(names) and "GiB" in chart
+    assert "<table" in cmp._repr_html_() or "<pre" in cmp._repr_html_()
+    assert [d["name"] for d in cmp.to_dict()] == names
+
+
+def test_report_renders_as_table_html_and_data():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    report = plan(model, {"dp": 2}, batch=(4, 8), name="zero3")
+    text = report.summary()
+    for word in ("parameters", "optimizer state", "gathered peak", "activations", "all_gather"):
+        assert word in text
+    html = report._repr_html_()
+    assert "gathered peak" in html
+    data = report.to_dict()
+    assert data["param_bytes"] == report.param_bytes and data["mesh"] == {"dp": 2}
+    assert data["comms"][0]["kind"] in ("all_gather", "all_reduce", "reduce_scatter")
+
+
+def test_checkpointing_trades_activations_for_recompute():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    plain = plan(model, {"dp": 2}, batch=(4, 16))
+    ckpt = plan(model, {"dp": 2}, batch=(4, 16), policy=ff.Policy(checkpoint=True))
+    assert ckpt.activation_bytes == plain.activation_bytes_checkpoint < plain.activation_bytes
+    assert ckpt.recompute_bytes == max(u.activation_bytes for u in plain.units[1:5])
+    assert plain.recompute_bytes == 0
+
+
+def test_errors_name_the_problem_and_the_fix():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    with pytest.raises(
+        ValueError,
+        match=r"global batch of shape \(6, 8\) does not split over "
+        r"the 4 data-parallel ranks of Mesh\(dp=4\).*multiple of 4",
+    ):
+        plan(model, {"dp": 4}, batch=(6, 8))
+    with pytest.raises(ValueError, match=r"has no tensor-parallel axis 'tp'"):
+        plan(model, {"dp": 4}, tp_plan={"head": ff.ColwiseParallel()})
+    with pytest.raises(ValueError, match=r"mesh axis 'dp' has size 0"):
+        plan(model, {"dp": 0})
+    with pytest.raises(TypeError, match=r"takes an nn.Module"):
+        plan("gpt", {"dp": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero4'"):
+        compare_strategies(model, 8, strategies=("zero4",))
+    with pytest.raises(ValueError, match=r"hsdp_shard=3 does not divide world_size=8"):
+        compare_strategies(model, 8, strategies=("hsdp",), hsdp_shard=3)
+    with pytest.raises(ValueError, match=r"optimizer='lion'"):
+        plan(model, {"dp": 2}, optimizer="lion")  # type: ignore[arg-type]
+    sp = gpt_plan(
+        GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16),
+        sequence_parallel=True,
+    )
+    with pytest.raises(ValueError, match=r"sequence parallelism.*sequence_parallel=False"):
+        plan(model, {"dp": 2, "tp": 2}, batch=(4, 8), tp_plan=sp)
+    with pytest.raises(ValueError, match=r"the spec for parameter 'tok_emb.weight'"):
+        plan(model, {"dp": 2}, specs=ff.P("fsdp"))
