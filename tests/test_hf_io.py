@@ -388,3 +388,15 @@ def test_export_refuses_a_meta_buffer_without_a_value(tmp_path):
         buffers = {k: v for k, v in torch.nn.BatchNorm1d(4).state_dict().items()}
         ff.checkpoint.export_safetensors(sm, params, tmp_path, buffers=buffers)
     assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(buffers)
+
+
+def test_load_safetensors_names_reads_only_those_parameters(tmp_path):
+    model = torch.nn.Linear(3, 5)
+    save_file({"weight": torch.ones(5, 3)}, str(tmp_path / "model.safetensors"))  # no bias
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(model, mesh)
+        params = ff.checkpoint.load_safetensors(sm, tmp_path, names=["weight"])
+        assert list(params) == ["weight"]
+        assert torch.equal(ff.rank_values(ff.gather(params)["weight"])[0], torch.ones(5, 3))
+        with pytest.raises(ValueError, match=r"names= lists \['nope'\]"):
+            ff.checkpoint.load_safetensors(sm, tmp_path, names=["nope"])

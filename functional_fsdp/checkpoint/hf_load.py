@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -188,6 +188,7 @@ def load_safetensors(
     *,
     rename: Rename = None,
     dtype: torch.dtype | None = None,
+    names: Collection[str] | None = None,
 ) -> dict[str, Sharded]:
     """Read a safetensors checkpoint into ``sm``'s sharded layout, each rank its own rows.
 
@@ -204,9 +205,12 @@ def load_safetensors(
         rename: maps the module's parameter names to the checkpoint's keys: a function
             (``lambda name: "model." + name``) or a dict (missing names stay as they are).
         dtype: the dtype of floating parameters (default: the module parameter's dtype).
+        names: read only these parameters (default: all), e.g. the frozen base of a LoRA
+            model whose adapters are not in the checkpoint; combine the result with the
+            others (``{**initialised, **loaded}``).
 
     Returns:
-        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()``.
+        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()`` (those in ``names``).
 
     Raises:
         ValueError: the path does not exist; a key is missing (named, with the files and close
@@ -231,8 +235,17 @@ def load_safetensors(
     specs = sm.param_specs()
     sizes = axis_sizes(sm.mesh)
     plan = []
-    for name, names in aliases(sm.module).items():
-        key = _find(what, names, rename_fn, stored, where)
+    wanted = None if names is None else set(names)
+    unknown = sorted(wanted - set(module_params)) if wanted is not None else []
+    if unknown:
+        raise ValueError(
+            f"{what}: names= lists {unknown[:5]}, which are not parameters of "
+            f"{type(sm.module).__name__} (names look like {list(module_params)[:3]})."
+        )
+    for name, alias_names in aliases(sm.module).items():
+        if wanted is not None and name not in wanted:
+            continue
+        key = _find(what, alias_names, rename_fn, stored, where)
         entry, p = stored[key], module_params[name]
         if entry.shape != tuple(p.shape):
             raise ValueError(
@@ -280,9 +293,12 @@ def load_dcp_state_dict(
         path: the checkpoint directory (it holds ``.metadata``).
         rename: maps the module's parameter names to the checkpoint's keys (function or dict).
         dtype: the dtype of floating parameters (default: the module parameter's dtype).
+        names: read only these parameters (default: all), e.g. the frozen base of a LoRA
+            model whose adapters are not in the checkpoint; combine the result with the
+            others (``{**initialised, **loaded}``).
 
     Returns:
-        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()``.
+        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()`` (those in ``names``).
 
     Raises:
         ValueError: the path is not a DCP checkpoint; a key is missing or has another shape.
