@@ -444,7 +444,9 @@ def init_sharded(
     So plain torch models and HF models give eager values with no ``init_fn``; a model whose
     ``__init__`` draws random numbers in another way needs an ``init_fn`` that does the same.
     Generator states are replayed per step, so the generator is left where eager
-    construction leaves it. Init code may write a module's own tensors and those of its
+    construction leaves it (on a simulated mesh, draws come from the process's generator).
+    Every rank runs the whole initialisation twice (about twice an eager construction's
+    compute), which is what makes the values independent of the mesh. Init code may write a module's own tensors and those of its
     submodules in the same unit; writing another unit's tensor raises.
 
     Buffers come back full (never sharded): persistent ones such as running statistics and
