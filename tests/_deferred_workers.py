@@ -1,0 +1,279 @@
+"""Workers for the deferred-initialisation tests (run on real gloo processes).
+
+Each worker builds the same model twice with the same seed: eagerly (the reference) and on
+the meta device, then creates the meta model's sharded parameters with ``init_sharded`` and
+compares them with the eager model's, bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import functional_fsdp as ff
+from functional_fsdp.fsdp.init import init_sharded
+from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
+from functional_fsdp.tp.plan import tensor_parallel
+from functional_fsdp.train import local_batch
+
+GPT_CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16)
+
+
+def llama(tied: bool = True) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class ConvNet(nn.Module):
+    """Plain torch modules with running-statistics buffers and a ``reset_parameters``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(3, 8, 3)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.MultiheadAttention(8, 2))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x).mean(-1)
+        for layer in self.layers:
+            h = layer[1](layer[0](h))
+            h = h + layer[2](h[None], h[None], h[None], need_weights=False)[0][0]
+        return self.head(h)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Any]] = {
+    "gpt": (lambda: GPT(GPT_CFG), GPT._init),
+    "llama": (lambda: llama(tied=False), None),
+    "llama_tied": (lambda: llama(tied=True), None),
+    "convnet": (ConvNet, None),
+}
+
+
+def _sharding(model: nn.Module, mesh: Any, tp: bool) -> ff.FSDP:
+    if tp:
+        plan = tensor_parallel(model, mesh, gpt_plan(GPT_CFG, loss_parallel=False))
+        return ff.fsdp(model, mesh, specs=plan.specs, wrappers=plan.wrappers)
+    return ff.fsdp(model, mesh)
+
+
+def init_matches_eager(kind: str, axes: dict[str, int], tp: bool = False) -> dict[str, Any]:
+    """Bitwise comparison of ``init_sharded`` on a meta model with the eager model."""
+    build, init_fn = MODELS[kind]
+    torch.manual_seed(0)
+    eager = build()
+    rng_after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = build()
+    mesh = ff.make_mesh(axes)
+    sm = _sharding(meta, mesh, tp)
+    params, buffers = init_sharded(sm, init_fn=init_fn)
+    rng_same = torch.equal(torch.get_rng_state(), rng_after_eager)
+    expected = _sharding(eager, mesh, tp).shard()
+    full = ff.gather(params)
+    ref = dict(eager.named_parameters())
+    out: dict[str, Any] = {
+        "keys": list(params) == list(expected),
+        "local_mismatch": [
+            k
+            for k in expected
+            if params[k].spec != expected[k].spec
+            or not torch.equal(params[k].local, expected[k].local)
+        ],
+        "full_mismatch": [k for k in full if not torch.equal(full[k], ref[k].detach())],
+        "buffer_mismatch": [n for n, b in eager.named_buffers() if not torch.equal(buffers[n], b)],
+        "buffers": sorted(buffers),
+        "rng_same": rng_same,
+        "module_untouched": all(t.device.type == "meta" for t in meta.state_dict().values()),
+    }
+    if kind.startswith("llama"):
+        ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(1))
+        (x,) = local_batch((ids,), mesh, sm.data_axes)
+        logits = sm.apply(params, x, buffers=buffers).logits
+        reference = eager(x).logits
+        out["forward_equal"] = torch.equal(logits, reference)
+    if kind == "gpt":
+        ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(1))
+        (x,) = local_batch((ids,), mesh, sm.data_axes)
+        loss = lm_loss(sm.apply(params, x), x)
+        out["loss_close"] = abs(loss.item() - lm_loss(eager(x), x).item()) < 1e-5
+    return out
+
+
+def fsdp2_meta_recipe(world: int) -> dict[str, Any]:
+    """torch FSDP2's recipe on the same meta GPT: fully_shard, to_empty, reset_parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    eager = GPT(GPT_CFG)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(GPT_CFG)
+    mesh = ff.make_mesh({"dp": world})
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with warnings.catch_warnings():  # "DTensor random operators may not have complete support"
+        warnings.simplefilter("ignore", UserWarning)
+        _reset_all(model)  # the recipe: every module's reset_parameters() on the DTensors
+        model.apply(GPT._init)  # then the model's own init
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    ref = dict(eager.named_parameters())
+    return {
+        "mismatch": sorted(k for k in full if not torch.equal(full[k], ref[k].detach())),
+        "numel": len(full),
+    }
+
+
+def _reset_all(model: nn.Module) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def exact_rss() -> None:
+    """Make resident memory follow live tensors: large blocks are mmapped (returned to the
+    system when freed, never kept in the heap for reuse), and the heap is trimmed now."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, so it never grows
+    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
+    gc.collect()
+    libc.malloc_trim(0)
+
+
+def reset_peak_rss() -> None:
+    """Reset the process's peak resident set size (VmHWM) to its current size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def big_gpt_cfg(n_embd: int = 512, n_layer: int = 12) -> GPTConfig:
+    return GPTConfig(n_layer=n_layer, vocab_size=128, n_embd=n_embd, n_head=8, block_size=64)
+
+
+def create_peak(how: str, cfg: GPTConfig) -> dict[str, int]:
+    """Per-rank peak RSS growth while creating the sharded GPT parameters.
+
+    ``how``: ``"ours"`` (``init_sharded`` on a meta model), ``"fsdp2"`` (torch FSDP2's
+    recipe: ``fully_shard`` on meta, ``to_empty``, then init) or ``"eager"`` (build the full
+    model, then shard it).
+    """
+    exact_rss()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    mesh = ff.make_mesh({"dp": dist.get_world_size()})
+    sm = ff.fsdp(meta, mesh)
+    psi = sum(p.numel() * p.element_size() for p in meta.parameters())
+    units = [sm.module.get_submodule(u) for u in sm.units]
+    largest = max(sum(p.numel() * p.element_size() for p in u.parameters()) for u in units)
+    dist.barrier()
+    exact_rss()
+    rss0 = _status("VmRSS")
+    reset_peak_rss()
+    if how == "ours":
+        params, _ = init_sharded(sm, init_fn=GPT._init)
+        held = sum(p.local.numel() * p.local.element_size() for p in params.values())
+    elif how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model = meta
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _reset_all(model)
+            model.apply(GPT._init)
+        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    elif how == "eager":
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        params = ff.fsdp(model, mesh).shard()
+        del model
+        held = sum(p.local.numel() * p.local.element_size() for p in params.values())
+    else:
+        raise ValueError(how)
+    peak = _status("VmHWM") - rss0
+    dist.barrier()
+    return {"peak": peak, "psi": psi, "largest_unit": largest, "held": held}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class Scaled(nn.Module):
+    """A module whose parameter nothing initialises on meta (no reset_parameters)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale
+
+
+class ResetsChildren(nn.Module):
+    """A root whose reset_parameters() writes a parameter of another unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.layers[0].bias)
+
+
+ERROR_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "no_init": lambda: nn.Sequential(Scaled(4), Scaled(4)),
+    "other_unit": ResetsChildren,
+}
+
+
+def init_error(kind: str) -> str:
+    """The message init_sharded raises for a bad meta model (``"no error"`` if none)."""
+    with torch.device("meta"):
+        model = ERROR_MODELS[kind]()
+    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
+    try:
+        init_sharded(sm)
+    except ValueError as e:
+        return str(e)
+    return "no error"
