@@ -33,6 +33,7 @@ from .dist.simulate import rank_values as rank_values
 from .dist.simulate import simulated_mesh as simulated_mesh
 from .fsdp.api import FSDP as FSDP
 from .fsdp.api import fsdp as fsdp
+from .fsdp.init import init_sharded as init_sharded
 from .fsdp.memory import MemoryEvent as MemoryEvent
 from .fsdp.memory import MemoryTracker as MemoryTracker
 from .fsdp.memory import track_memory as track_memory
@@ -169,6 +170,7 @@ __all__ = [
     "gpt_plan",
     "identity",
     "init_distributed",
+    "init_sharded",
     "is_simulated",
     "join_schedules",
     "launch",

@@ -129,3 +129,18 @@ def test_bitwise_equal_on_2x2_meshes(pools):
     for rank, (a, b) in enumerate(zip(gpt_tp, llama_hsdp)):
         _assert_matches_eager(a, f"GPT FSDP+TP on dp=2 x tp=2, rank {rank}: {a}")
         _assert_matches_eager(b, f"Llama HSDP on 2x2, rank {rank}: {b}")
+
+
+def test_shard_on_a_meta_module_initialises_unit_by_unit():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        got = ff.gather(ff.fsdp(meta, mesh).shard())
+        for name, p in eager.named_parameters():
+            assert torch.equal(ff.rank_values(got[name])[0], p.detach())
+        meta.register_buffer("table", torch.empty(3, device="meta"))
+        with pytest.raises(ValueError, match=r"buffers included \(\['table'\]\).*ff\.init_sharded"):
+            ff.fsdp(meta, mesh).shard()

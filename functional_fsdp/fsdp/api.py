@@ -183,9 +183,24 @@ class FSDP:
     def shard(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, Sharded]:
         """Shard the module's parameters (or ``params``, a ``{name: tensor}`` dict).
 
-        Every rank must hold the same initial values (seed the model identically).
+        Every rank must hold the same initial values (seed the model identically). A module
+        built on the ``meta`` device is initialised one unit at a time by
+        :func:`~functional_fsdp.init_sharded` (which also returns the buffers, needed when
+        they are on ``meta`` too).
         """
         if params is None:
+            if any(p.is_meta for p in self.module.parameters()):
+                meta_buffers = [n for n, b in self.module.named_buffers() if b.is_meta]
+                if meta_buffers:
+                    raise ValueError(
+                        f"FSDP.shard(): {type(self.module).__name__} is on the meta device, "
+                        f"buffers included ({meta_buffers[:3]}); create both with "
+                        f"params, buffers = ff.init_sharded(sharded_model) and pass "
+                        f"buffers=buffers to apply."
+                    )
+                from .init import init_sharded
+
+                return init_sharded(self)[0]
             params = {n: p.detach() for n, p in self.module.named_parameters()}
         sharded = shard(params, self.mesh, self.param_specs())
         return to_host(sharded) if self.policy.offload else sharded
