@@ -1,11 +1,14 @@
-"""Checkpoints: DCP save and load that reshard across meshes.
+"""Checkpoints: atomic, verified DCP saves that reshard across meshes, and a manager.
 
 Example:
     >>> ff.checkpoint.save("ckpt/step_100", state)  # doctest: +SKIP
     >>> state = ff.checkpoint.load("ckpt/step_100", fresh_state_on_another_mesh)  # doctest: +SKIP
+    >>> mgr = ff.checkpoint.CheckpointManager("ckpt", save_every=100, async_save=True)  # doctest: +SKIP
 """
 
+from ._atomic import CheckpointError as CheckpointError
 from .dcp import load as load
 from .dcp import save as save
+from .manager import CheckpointManager as CheckpointManager
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointError", "CheckpointManager", "load", "save"]
