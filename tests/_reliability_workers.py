@@ -84,7 +84,9 @@ def run_until_killed(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])  # torch imported once, processes fork quickly
     port = _free_port()
-    procs = [ctx.Process(target=_crash_entry, args=(r, world, port, fn, args)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_crash_entry, args=(r, world, port, fn, args)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -118,7 +120,7 @@ def manager_then_crash(directory: str, phase: str, crash_rank: int, async_save: 
     _, _, step, state = setup()
     gen = torch.Generator().manual_seed(1)
     mgr = CheckpointManager(directory, save_every=2, keep_last=2, async_save=async_save)
-    for i in range(6):
+    for _ in range(6):
         state, _ = step(state, batch(gen))
         if state.step == 6:
             mgr.wait()
@@ -359,9 +361,7 @@ def hf_resume(directory: str, async_save: bool) -> dict:
         model.config.use_cache = False
         f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
         opt = ff.adamw(1e-2, eps=1e-6)
-        step = ff.train_step(
-            lambda p, b: f.apply(p, input_ids=b, labels=b).loss, opt, model=f
-        )
+        step = ff.train_step(lambda p, b: f.apply(p, input_ids=b, labels=b).loss, opt, model=f)
         return step, ff.TrainState.create(f.shard(), opt)
 
     step, state = build(0)

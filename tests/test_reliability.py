@@ -106,7 +106,9 @@ def test_checkpoint_of_another_model_raises_value_error_naming_key_and_fix(pools
     import re
 
     out = pools.run(2, W.other_model, str(tmp_path))[0]
-    assert re.search(r"was saved with global shape \(36,\) in .*, but the template has \(48,\)", out["wider"])
+    assert re.search(
+        r"was saved with global shape \(36,\) in .*, but the template has \(48,\)", out["wider"]
+    )
     assert "the checkpoint is of another model" in out["wider"]
     assert str(tmp_path / "gpt") in out["wider"]
     assert "blocks.2.attn" in out["deeper"] and "is not in the checkpoint" in out["deeper"]
@@ -115,8 +117,14 @@ def test_checkpoint_of_another_model_raises_value_error_naming_key_and_fix(pools
 @pytest.mark.parametrize(
     "kind,pattern",
     [
-        ("read_only", r"CheckpointError: checkpoint\.save: cannot save to .*Permission denied.*writable"),
-        ("full", r"CheckpointError: checkpoint\.save: cannot save to .*File too large.*Free disk space"),
+        (
+            "read_only",
+            r"CheckpointError: checkpoint\.save: cannot save to .*Permission denied.*writable",
+        ),
+        (
+            "full",
+            r"CheckpointError: checkpoint\.save: cannot save to .*File too large.*Free disk space",
+        ),
     ],
 )
 def test_unwritable_target_raises_and_keeps_the_previous_checkpoint(pools, kind, pattern):
@@ -208,3 +216,29 @@ def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
         kill_at,
         records,
     )
+
+
+def test_train_gpt_example_resumes_from_its_checkpoint_dir(tmp_path):
+    import re
+    import shutil
+
+    ckpt = tmp_path / "gpt"
+    tiny = ["--steps", "4", "--layers", "1", "--width", "32", "--block-size", "16"]
+    tiny += ["--batch-size", "4", "--sample-chars", "5", "--checkpoint-dir", str(ckpt)]
+    tiny += ["--save-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def run(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+        cmd += [f"--master-port={_free_port()}", "examples/train_gpt.py", *tiny, *extra]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+
+    first = run()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000004"]
+    shutil.rmtree(ckpt / "step_00000004")  # as if the job died before its last checkpoint
+    again = run("--resume")
+    assert f"resumed from step 2 of {ckpt}" in again
+    last = re.compile(r"last ([\d.]+)")
+    assert last.search(again).group(1) == last.search(first).group(1), (first, again)

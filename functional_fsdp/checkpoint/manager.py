@@ -281,7 +281,9 @@ class CheckpointManager:
             return
         for p in sorted(self.directory.iterdir()):
             name, _, kind = p.name.partition(".step_")[2].rpartition(".")
-            if not p.name.startswith(".step_") or not kind.startswith(("tmp-", "old-", "deleting-")):
+            if not p.name.startswith(".step_") or not kind.startswith(
+                ("tmp-", "old-", "deleting-")
+            ):
                 continue
             original = self.directory / f"step_{name}"
             if kind.startswith("old-") and not original.exists() and _atomic.is_complete(p):
