@@ -12,9 +12,11 @@ step keeps each rank's share, so the loss is the global-batch mean.
 Checkpoints and resume: with ``--checkpoint-dir`` the run saves every ``--save-every`` steps
 (atomically, on a background thread; the data generator's state is saved too), and with
 ``--resume`` it continues from the latest complete checkpoint, bitwise as if uninterrupted.
-Under torchrun's restarts a crashed rank costs at most the steps since the last checkpoint:
+Under torchrun's restarts a crashed rank costs at most the steps since the last checkpoint
+(the variable gives each restart a fresh rendezvous store; see pytorch/pytorch#135712):
 
-    torchrun --nproc-per-node 2 --max-restarts 3 examples/train_gpt.py \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \
+        --rdzv-backend c10d --rdzv-endpoint localhost:29400 examples/train_gpt.py \
         --checkpoint-dir ckpt/gpt --save-every 100 --resume
 """
 

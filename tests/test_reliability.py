@@ -184,7 +184,10 @@ def _torchrun(directory: Path, out: Path, kill_at: int, async_save: bool) -> str
         str(kill_at),
         *(["--async-save"] if async_save else []),
     ]
+    # Each restart gets a fresh TCP store: with the store torchrun shares across restarts, a
+    # restarted gloo group can read the dead attempt's addresses (pytorch/pytorch#135712).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stderr

@@ -111,6 +111,8 @@ class CheckpointManager:
         self._closed = False
         if self._rank == 0:
             self._remove_stale()
+        if self._group is not None:
+            dist.barrier(group=self._group)  # every rank sees the cleaned directory
 
     # ------------------------------------------------------------------ queries
 
