@@ -8,6 +8,16 @@ step keeps each rank's share, so the loss is the global-batch mean.
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy zero2    # or ddp, zero1
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replicate=2,shard=2
     torchrun --nproc-per-node 2 examples/train_gpt.py --mixed-precision bf16
+
+Checkpoints and resume: with ``--checkpoint-dir`` the run saves every ``--save-every`` steps
+(atomically, on a background thread; the data generator's state is saved too), and with
+``--resume`` it continues from the latest complete checkpoint, bitwise as if uninterrupted.
+Under torchrun's restarts a crashed rank costs at most the steps since the last checkpoint
+(the variable gives each restart a fresh rendezvous store; see pytorch/pytorch#135712):
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 3 \
+        --rdzv-backend c10d --rdzv-endpoint localhost:29400 examples/train_gpt.py \
+        --checkpoint-dir ckpt/gpt --save-every 100 --resume
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=300)
     add_device_arg(p)
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (step_<n>)")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     return p.parse_args()
 
 
@@ -97,28 +110,48 @@ def main() -> None:
     state = ff.TrainState.create(sharded_model.shard(), optimizer, opt_specs=opt_specs)
 
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same global batches on every rank
+    manager = None
+    if args.checkpoint_dir:
+        manager = ff.checkpoint.CheckpointManager(
+            args.checkpoint_dir, save_every=args.save_every, async_save=True
+        )
+    if args.resume and manager is not None and manager.latest_step() is not None:
+        # The data order is part of the state: the generator continues where it stopped.
+        ckpt = manager.restore({"state": state, "data": {"rng": gen.get_state()}})
+        state = ckpt["state"]
+        gen.set_state(ckpt["data"]["rng"])
+        if rank == 0:
+            print(f"resumed from step {state.step} of {args.checkpoint_dir}")
+    first = state.step
     tokens_per_step = args.batch_size * args.block_size
     losses = []
     bar = tqdm(
-        range(args.steps), disable=rank != 0, desc=f"{args.strategy} on {ff.axis_sizes(mesh)}"
+        range(first, args.steps),
+        disable=rank != 0,
+        desc=f"{args.strategy} on {ff.axis_sizes(mesh)}",
     )
     start = time.perf_counter()
     for i in bar:
         batch = random_batch(data, args.batch_size, args.block_size, gen, device)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-        tok_s = tokens_per_step * (i + 1) / (time.perf_counter() - start)
+        if manager is not None:
+            manager.save(state.step, {"state": state, "data": {"rng": gen.get_state()}})
+        tok_s = tokens_per_step * (i + 1 - first) / (time.perf_counter() - start)
         bar.set_postfix(
             loss=f"{losses[-1]:.3f}",
             tok_s=f"{tok_s:,.0f}",
             grad_norm=f"{float(metrics['grad_norm']):.2f}",
         )
 
+    if manager is not None:
+        manager.close()  # waits for the last background save
     full = ff.gather(state.params)  # every rank gets the full parameters
-    if rank == 0:
+    if rank == 0 and losses:
         print(
             f"loss: first {losses[0]:.3f}, last {losses[-1]:.3f} (mean of last 10: {sum(losses[-10:]) / 10:.3f})"
         )
+    if rank == 0:
         print("sample:\n" + sample(model, full, chars, args.sample_chars, args.seed))
     dist.barrier()
     dist.destroy_process_group()
