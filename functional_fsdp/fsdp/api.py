@@ -42,7 +42,14 @@ from ..sharding import Specs, resolve_specs, shard
 from ..spec import P, format_mesh
 from . import runtime
 from .plan import Plan, make_plan
-from .policy import ModuleWrapper, Policy, UnitsArg, default_specs, find_units
+from .policy import (
+    ModuleWrapper,
+    Policy,
+    UnitsArg,
+    default_specs,
+    find_units,
+    trainable_names,
+)
 
 TrainableArg = Collection[str] | Callable[[str], bool] | None
 
@@ -134,19 +141,7 @@ class FSDP:
             ...     sorted(ff.fsdp(model, mesh).trainable)
             ['1.bias', '1.weight']
         """
-        override = self.trainable_override
-        names = [n for n, _ in self.module.named_parameters()]
-        if override is None:
-            return frozenset(n for n, p in self.module.named_parameters() if p.requires_grad)
-        if callable(override):
-            return frozenset(n for n in names if override(n))
-        unknown = sorted(set(override) - set(names))
-        if unknown:
-            raise ValueError(
-                f"fsdp(trainable=...) names {unknown[:5]}, which are not parameters of "
-                f"{type(self.module).__name__} (names look like {names[:4]})."
-            )
-        return frozenset(override)
+        return trainable_names(self.module, self.trainable_override)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -156,3 +156,26 @@ def default_specs(mesh: DeviceMesh, data_axes: Sequence[str]) -> Callable[[str, 
         return P(shard_axes) if t.ndim >= 1 and shard_axes else P()
 
     return rule
+
+
+def trainable_names(module: nn.Module, trainable: Any, where: str = "fsdp") -> frozenset[str]:
+    """The names of ``module``'s trainable parameters: those with ``requires_grad`` when
+    ``trainable`` is ``None``, else the given names or those a predicate on the name accepts.
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> sorted(trainable_names(model, lambda name: name.endswith("bias")))
+        ['bias']
+    """
+    names = [n for n, _ in module.named_parameters()]
+    if trainable is None:
+        return frozenset(n for n, p in module.named_parameters() if p.requires_grad)
+    if callable(trainable):
+        return frozenset(n for n in names if trainable(n))
+    unknown = sorted(set(trainable) - set(names))
+    if unknown:
+        raise ValueError(
+            f"{where}(trainable=...) names {unknown[:5]}, which are not parameters of "
+            f"{type(module).__name__} (names look like {names[:4]})."
+        )
+    return frozenset(trainable)

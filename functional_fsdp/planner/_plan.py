@@ -35,7 +35,7 @@ from torch import nn
 
 from .._tree import NAMESPACE
 from ..fsdp.plan import Plan, gather_dtype, make_plan, plan_rounds
-from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units
+from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..sharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -698,18 +698,7 @@ def plan(
 
 
 def _trainable(model: nn.Module, trainable: Any) -> frozenset[str]:
-    names = [n for n, _ in model.named_parameters()]
-    if trainable is None:
-        return frozenset(n for n, p in model.named_parameters() if p.requires_grad)
-    if callable(trainable):
-        return frozenset(n for n in names if trainable(n))
-    unknown = sorted(set(trainable) - set(names))
-    if unknown:
-        raise ValueError(
-            f"ff.plan(trainable=...) names {unknown[:5]}, which are not parameters of "
-            f"{type(model).__name__} (names look like {names[:4]})."
-        )
-    return frozenset(trainable)
+    return trainable_names(model, trainable, where="ff.plan")
 
 
 def _compute_params(
