@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist import collectives as C
 from .memory import EventKind, MemoryTracker, Phase
-from .plan import Piece, Round, UnitPlan
+from .plan import Piece, Round, UnitPlan, gather_dtype
 from .policy import Policy
 
 
@@ -115,8 +115,7 @@ class Unit:
             tracker._record(kind, self.plan.name, phase, self.plan.gathered_bytes, key, replaces)
 
     def gather_dtype(self, t: torch.Tensor) -> torch.dtype:
-        pd = self.ctx.policy.mixed_precision.param_dtype
-        return pd if pd is not None and t.is_floating_point() else t.dtype
+        return gather_dtype(t.dtype, self.ctx.policy.mixed_precision.param_dtype)
 
     def prefetch(self, phase: Phase) -> None:
         """Issue the first-round all-gathers asynchronously (no wait)."""
