@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import axis_sizes
 from ..spec import format_mesh
+from .mesh import axis_sizes
 
 ReduceOp = Literal["sum", "mean"]
 
