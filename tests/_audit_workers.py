@@ -56,6 +56,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import functional_fsdp
 
+from ._hf import tiny_llama_config
+
 _LIBRARY = os.path.dirname(functional_fsdp.__file__) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.abspath(__file__)
@@ -317,21 +319,13 @@ def _gpt_case(name: str, device: str) -> dict[str, Any]:
 
 
 def _transformers_case(device: str) -> dict[str, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import functional_fsdp as ff
     from functional_fsdp.train import local_batch
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg = tiny_llama_config(vocab_size=64)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (4, 12), generator=g)

@@ -23,22 +23,15 @@ from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
 from functional_fsdp.tp.plan import tensor_parallel
 from functional_fsdp.train import local_batch
 
+from ._hf import tiny_llama_config
+
 GPT_CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16)
 
 
 def llama(tied: bool = True) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
+    cfg = tiny_llama_config(max_position_embeddings=64, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 

@@ -13,6 +13,8 @@ import functional_fsdp as ff
 from functional_fsdp.fsdp.memory import track_memory
 from functional_fsdp.train import local_batch
 
+from ._hf import tiny_llama_config
+
 
 def _mlp(frozen_first: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
@@ -272,19 +274,11 @@ def fp16_reduce_does_not_overflow() -> dict:
 def hf_outputs(kind: str) -> dict:
     """transformers models through apply with keyword inputs and ModelOutput results:
     loss and gradients equal the single-process reference."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = LlamaConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
+        cfg = tiny_llama_config()
         model = LlamaForCausalLM(cfg)
     else:
         cfg = GPT2Config(

@@ -24,6 +24,7 @@ from functional_fsdp.dist.launch import _free_port
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
 from ._fsdp_workers import CFG
+from ._hf import tiny_llama_config
 
 # --------------------------------------------------------------------------- a tiny run
 
@@ -344,19 +345,11 @@ def empty_manager(directory: str) -> str:
 def hf_resume(directory: str, async_save: bool) -> dict:
     """A transformers Llama (from a config) trained 4 steps; restore step 2 into a fresh
     model's state and take steps 3-4 again: the losses are bitwise equal."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     def build(seed: int):
         torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-        )
+        cfg = tiny_llama_config()
         model = LlamaForCausalLM(cfg)
         model.config.use_cache = False
         f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
