@@ -12,11 +12,13 @@ from ._tree import tree_leaves as tree_leaves
 from ._tree import tree_map as tree_map
 from .debug import describe as describe
 from .debug import visualize as visualize
+from .dist.collectives import CollectiveError as CollectiveError
 from .dist.collectives import CommCounter as CommCounter
 from .dist.collectives import CommRecord as CommRecord
 from .dist.collectives import all_gather as all_gather
 from .dist.collectives import all_reduce as all_reduce
 from .dist.collectives import all_reduce_grad as all_reduce_grad
+from .dist.collectives import check_collectives as check_collectives
 from .dist.collectives import count_comms as count_comms
 from .dist.collectives import reduce_scatter as reduce_scatter
 from .dist.launch import ProcessPool as ProcessPool
@@ -44,6 +46,8 @@ from .models.gpt import gpt_plan as gpt_plan
 from .models.llama import llama_plan as llama_plan
 from .optim.clipping import clip_by_global_norm as clip_by_global_norm
 from .optim.clipping import global_norm as global_norm
+from .optim.finite import ApplyIfFiniteState as ApplyIfFiniteState
+from .optim.finite import apply_if_finite as apply_if_finite
 from .optim.schedules import Schedule as Schedule
 from .optim.schedules import constant_schedule as constant_schedule
 from .optim.schedules import cosine_decay_schedule as cosine_decay_schedule
@@ -52,6 +56,9 @@ from .optim.schedules import linear_schedule as linear_schedule
 from .optim.schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from .optim.transforms import EmptyState as EmptyState
 from .optim.transforms import GradientTransformation as GradientTransformation
+from .optim.transforms import (
+    GradientTransformationExtraArgs as GradientTransformationExtraArgs,
+)
 from .optim.transforms import MaskedState as MaskedState
 from .optim.transforms import ScaleByAdamState as ScaleByAdamState
 from .optim.transforms import ScaleByScheduleState as ScaleByScheduleState
@@ -64,6 +71,7 @@ from .optim.transforms import add_decayed_weights as add_decayed_weights
 from .optim.transforms import apply_updates as apply_updates
 from .optim.transforms import chain as chain
 from .optim.transforms import identity as identity
+from .optim.transforms import learning_rate_of as learning_rate_of
 from .optim.transforms import masked as masked
 from .optim.transforms import scale as scale
 from .optim.transforms import scale_by_adam as scale_by_adam
@@ -107,7 +115,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FSDP",
+    "ApplyIfFiniteState",
     "Axis",
+    "CollectiveError",
     "ColwiseParallel",
     "CommCounter",
     "CommRecord",
@@ -115,6 +125,7 @@ __all__ = [
     "DonatedStateError",
     "EmptyState",
     "GradientTransformation",
+    "GradientTransformationExtraArgs",
     "Layout",
     "LocalAttributes",
     "MaskedState",
@@ -148,10 +159,12 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_grad",
+    "apply_if_finite",
     "apply_updates",
     "axis_size",
     "axis_sizes",
     "chain",
+    "check_collectives",
     "checkpoint",
     "clip_by_global_norm",
     "combine",
@@ -174,6 +187,7 @@ __all__ = [
     "is_simulated",
     "join_schedules",
     "launch",
+    "learning_rate_of",
     "linear_schedule",
     "llama_plan",
     "make_mesh",

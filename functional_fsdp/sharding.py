@@ -169,6 +169,7 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
         (torch.Size([3, 3]), 7)
     """
     paths, leaves, treedef = _flatten(tree)
+    C.check_same_on_ranks(mesh, paths, leaves, "shard()")  # debug mode (FUNCTIONAL_FSDP_CHECK)
     out = []
     for path, leaf, spec in zip(paths, leaves, resolve_specs(tree, specs)):
         if isinstance(leaf, Sharded):
@@ -232,7 +233,7 @@ class _BucketAllGather(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         n = axis_sizes(mesh)[axis]
         flat = _pack([t.reshape(-1) for t in locals_])
-        gathered = C.wait(C.raw_all_gather(flat, mesh, axis))  # [n, total]
+        gathered = C.wait(C.raw_all_gather(flat, mesh, axis, meta=pieces))  # [n, total]
         if n == 1:  # not communicated: copy, so that no output aliases an input shard
             gathered = gathered.clone()
         outs, offset = [], 0

@@ -27,7 +27,13 @@ from .fsdp.api import FSDP
 from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.schedules import Schedule
-from .optim.transforms import GradientTransformation, apply_updates
+from .optim.transforms import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    apply_updates,
+    learning_rate_fn,
+    report_fn,
+)
 from .sharded import Sharded
 from .sharding import reshard
 from .spec import P, format_mesh
@@ -48,7 +54,7 @@ class DonatedStateError(RuntimeError):
         >>> old.params
         Traceback (most recent call last):
         ...
-        functional_fsdp.train.DonatedStateError: this TrainState was donated to a train_step(donate=True) call at step 0: its buffers now hold the next state. Use the state that call returned, or build the step with donate=False to keep old states.
+        functional_fsdp.train.DonatedStateError: this TrainState was donated to a train_step(donate=True) call at step 0: its buffers now hold the next state (or part of it, if that call raised during the update). Use the state that call returned, or build the step with donate=False to keep old states.
     """
 
 
@@ -60,7 +66,7 @@ class TrainState:
             at-rest layout): what ``loss_fn`` and :meth:`FSDP.apply` take.
         opt_state: the optimizer state, built on the trainable parameters only (for ZeRO-1
             laid out by the optimizer specs).
-        step: completed optimizer steps.
+        step: completed optimizer steps (an int, or a 0-dim integer tensor).
         trainable: the dotted names of the trainable leaves of ``params``, or ``None`` when
             all are trainable. Static: part of the pytree structure, not a leaf.
 
@@ -136,8 +142,9 @@ class TrainState:
         if self._donated_at is not None:
             raise DonatedStateError(
                 f"this TrainState was donated to a train_step(donate=True) call at step "
-                f"{self._donated_at}: its buffers now hold the next state. Use the state that "
-                f"call returned, or build the step with donate=False to keep old states."
+                f"{self._donated_at}: its buffers now hold the next state (or part of it, if "
+                f"that call raised during the update). Use the state that call returned, or "
+                f"build the step with donate=False to keep old states."
             )
 
     @property
@@ -385,6 +392,14 @@ def train_step(
     ``model=`` given, a state created without ``trainable=`` for a module that has
     ``requires_grad=False`` parameters raises instead of training them.
 
+    Failures. An exception inside a step (from ``loss_fn``, a bad batch, a schedule, a
+    collective) leaves the input state intact and usable. With ``donate=True`` the input
+    state is marked dead just before the update writes into it, so an exception during the
+    update makes its reuse raise :class:`DonatedStateError` rather than hand back half an
+    update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
+    :func:`~functional_fsdp.apply_if_finite`: the step passes it ``finite=`` (no extra
+    collective) and the decision stays on the device.
+
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
             model with :meth:`FSDP.apply` (which reduces gradients over the data axes).
@@ -404,14 +419,21 @@ def train_step(
         opt_specs: optimizer layout for ZeRO-1: params stay replicated (``P()``), gradients
             and optimizer state are laid out by these specs (e.g. ``P("dp")``), updated
             parameters are all-gathered back. ``None``: the parameters' own layout.
-        learning_rate: the schedule (or constant) to report as ``metrics["lr"]``.
+        learning_rate: the schedule (or constant) to report as ``metrics["lr"]``. ``None``:
+            the optimizer's own learning rate (see :func:`~functional_fsdp.learning_rate_of`),
+            so a schedule is given once, to the optimizer.
         donate: update the state's tensors in place; the input state is dead afterwards and
             using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
             parameters are never written: the new state shares them.
 
     Returns:
-        ``step(state, batch)``; metrics hold ``loss`` (global mean), ``grad_norm`` (global,
-        mesh-aware) and ``lr``.
+        ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
+        ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
+        ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
+        :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
+        and ``nonfinite_steps`` (so far). Values are tensors on the device, never read back
+        (no host sync); on a simulated mesh, where they are the same on every rank, they are
+        plain tensors that format as numbers (``f"{metrics['loss']:.3f}"``).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -439,6 +461,9 @@ def train_step(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
             "(needed for batch='global' and accumulate_mode='local')."
         )
+
+    takes_finite = isinstance(optimizer, GradientTransformationExtraArgs)
+    rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
     def add(a: list[Any], b: list[Any]) -> list[Any]:
         return optree.tree_map(torch.add, a, b, namespace=NAMESPACE)
@@ -497,8 +522,22 @@ def train_step(
             grads = reshard(grads, specs)
             train = reshard(train, specs)
         norm = global_norm(grads)
+        if model is not None:
+            loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        # The rate this update applies, read before anything is written: a schedule that
+        # raises here leaves even a donated state intact.
+        if learning_rate is not None:
+            lr = learning_rate(count) if callable(learning_rate) else learning_rate
+        else:
+            lr = rate_of(opt_state) if rate_of is not None else float("nan")
+        extra = {}
+        if takes_finite:  # the same on every rank: the global norm and the all-reduced loss
+            extra["finite"] = finite if model is not None else torch.isfinite(norm)
+        if donate:  # dead before the first in-place write: a failure below cannot be retried
+            state._donated_at = count
         with donating() if donate else contextlib.nullcontext():
-            updates, new_opt_state = optimizer.update(grads, opt_state, train)
+            updates, new_opt_state = optimizer.update(grads, opt_state, train, **extra)
         if donate:
             new_train = _apply_in_place(train, updates)
             new_opt_state = _donate_into(opt_state, new_opt_state)
@@ -508,19 +547,35 @@ def train_step(
             new_train = reshard(new_train, at_rest)
         # Frozen leaves are the input's own objects: never copied, never written.
         new_params = split.full(split.train_def.flatten_up_to(new_train))
-        if model is not None:
-            loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
-        lr = learning_rate(count) if callable(learning_rate) else learning_rate
         new_state = TrainState(new_params, new_opt_state, count + 1, state.trainable)
-        if donate:
-            state._donated_at = count
-        return new_state, {
-            "loss": loss,
-            "grad_norm": norm,
-            "lr": lr if lr is not None else float("nan"),
-        }
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
+        if report is not None:
+            metrics.update(report(new_opt_state))
+        return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step
+
+
+def _one_value(value: Any) -> Any:
+    """A metric as one plain tensor: on a simulated mesh, the rank-0 value if every rank has
+    the same (as after the all-reduce); otherwise unchanged. Real tensors are not read."""
+    per_rank = getattr(value, "_local_tensors", None)
+    if per_rank is None:
+        return value
+    values = [per_rank[r] for r in sorted(per_rank)]
+    if all(_same(values[0], v) for v in values[1:]):
+        return values[0]
+    return value
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a NaN loss is the same on every rank too)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
 def _apply_in_place(params: Any, updates: Any) -> Any:

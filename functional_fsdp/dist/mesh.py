@@ -5,6 +5,7 @@ Code names mesh axes and never indexes them: ``axis_size(mesh, "dp")``, not ``me
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import math
@@ -110,19 +111,80 @@ def _gpu_index(local_rank: int, local_world_size: int, count: int, oversubscribe
     return local_rank % count
 
 
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long a collective waits for the other ranks before failing, unless told otherwise."""
+
+
+def _timeout(value: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """``value`` as a timedelta; ``None``: ``FUNCTIONAL_FSDP_TIMEOUT`` seconds, if set."""
+    if value is None:
+        env = os.environ.get("FUNCTIONAL_FSDP_TIMEOUT", "").strip()
+        if not env:
+            return None
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(
+                f"FUNCTIONAL_FSDP_TIMEOUT={env!r} is not a number of seconds; set it to e.g. "
+                f"FUNCTIONAL_FSDP_TIMEOUT=600, or unset it for the default of "
+                f"{DEFAULT_TIMEOUT.total_seconds():g} s."
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (datetime.timedelta, int, float)):
+        raise TypeError(
+            f"init_distributed: timeout must be a datetime.timedelta or a number of seconds, "
+            f"got {value!r} ({type(value).__name__}); e.g. timeout=datetime.timedelta(minutes=10)."
+        )
+    if not isinstance(value, datetime.timedelta):
+        value = datetime.timedelta(seconds=value)
+    if value.total_seconds() <= 0:
+        raise ValueError(
+            f"init_distributed: timeout must be positive, got {value.total_seconds():g} s; e.g. "
+            f"timeout=datetime.timedelta(minutes=10)."
+        )
+    return value
+
+
+def _use_timeout(timeout: datetime.timedelta) -> None:
+    """Apply ``timeout`` to every existing process group and to those created later.
+
+    ``DeviceMesh`` creates a group per axis of a multi-dimensional mesh with
+    ``new_group(timeout=None)``, which takes c10d's module default (30 minutes for gloo),
+    not the default group's timeout; so the default is set as well.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+    for group in list(c10d._world.pg_map):
+        with contextlib.suppress(Exception):  # groups this rank is not part of
+            c10d._set_pg_timeout(timeout, group)
+
+
 def init_distributed(
     backend: str | None = None,
     *,
     device_type: str | None = None,
     oversubscribe: bool = False,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
 ) -> torch.device:
     """Join the process group described by the ``torchrun`` environment; return this rank's device.
 
     On CUDA each rank uses GPU ``LOCAL_RANK`` (see :func:`rank_device`) and NCCL; on the CPU,
-    gloo. Does nothing but return the device if a process group already exists. Without
-    ``torchrun`` variables it starts a single-process group, so the same script runs with
-    ``python`` and with ``torchrun``.
+    gloo. If a process group already exists it only applies ``timeout`` (when given) and
+    returns the device. Without ``torchrun`` variables it starts a single-process group, so
+    the same script runs with ``python`` and with ``torchrun``.
+
+    The timeout is how long a collective waits for the other ranks before it fails with
+    :class:`~functional_fsdp.CollectiveError` (naming the collective and the mesh axis). The
+    default, 10 minutes (:data:`DEFAULT_TIMEOUT`, NCCL's own default), is suited to training:
+    healthy ranks reach each collective of a step milliseconds apart, so a wait only grows
+    long when one rank does extra work outside the step (saving a checkpoint, evaluating,
+    loading data) while the others are already waiting, and 10 minutes covers that. A rank
+    that dies or raises under ``torchrun`` ends the job within seconds whatever the timeout
+    (its peers see the connection close); the timeout bounds the rarer hang, where a rank
+    stays alive but skips a collective, at minutes instead of gloo's 30-minute default.
+    Shorten it for interactive work and tests, lengthen it for slow checkpoints.
 
     Args:
         backend: the c10d backend; ``None`` means NCCL on CUDA (gloo when oversubscribing)
@@ -130,15 +192,26 @@ def init_distributed(
         device_type: ``"cuda"`` or ``"cpu"``; ``None`` means CUDA when a GPU is visible.
         oversubscribe: allow more ranks per node than GPUs (tests only; see
             :func:`rank_device`).
-        timeout: how long collectives wait before failing (torch's default if ``None``).
+        timeout: how long collectives wait (a ``timedelta`` or seconds). ``None``: the
+            ``FUNCTIONAL_FSDP_TIMEOUT`` environment variable (seconds) if set, else
+            :data:`DEFAULT_TIMEOUT` for a new group and unchanged for an existing one. It
+            applies to every group, the mesh axes' groups included.
 
     Raises:
-        ValueError: if the device cannot be used (see :func:`rank_device`).
+        ValueError: if the device cannot be used (see :func:`rank_device`), or the timeout
+            is not positive.
+        TypeError: if the timeout is not a ``timedelta`` or a number.
 
     Example:
-        >>> device = init_distributed(device_type="cpu")  # doctest: +SKIP
+        >>> import datetime
+        >>> device = init_distributed(timeout=datetime.timedelta(minutes=5))  # doctest: +SKIP
         >>> model = model.to(device)  # doctest: +SKIP
     """
+    from . import collectives
+
+    chosen = _timeout(timeout)
+    if collectives._env_check():  # the debug switch, read again once the run starts
+        collectives._CHECK = True
     single = "RANK" not in os.environ
     device = rank_device(
         device_type,
@@ -147,6 +220,8 @@ def init_distributed(
         oversubscribe=oversubscribe,
     )
     if dist.is_initialized():
+        if chosen is not None:
+            _use_timeout(chosen)
         return device
     if backend is None:
         backend = "nccl" if device.type == "cuda" and not oversubscribe else "gloo"
@@ -156,7 +231,9 @@ def init_distributed(
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timeout)
+    chosen = chosen or DEFAULT_TIMEOUT
+    dist.init_process_group(backend, timeout=chosen)
+    _use_timeout(chosen)
     return device
 
 

@@ -120,13 +120,15 @@ _DONATING: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def donating() -> Iterator[None]:
+def donating(enabled: bool = True) -> Iterator[None]:
     """Let transformations overwrite the updates and the state they are given.
 
     Only ``train_step(donate=True)`` enters this: the updates are then gradients the step
     owns, and the state is donated. Results are bitwise the same as out of place.
+    ``donating(False)`` turns it off inside (``apply_if_finite`` runs its inner optimizer out
+    of place, then selects the results into the donated buffers).
     """
-    token = _DONATING.set(True)
+    token = _DONATING.set(enabled)
     try:
         yield
     finally:

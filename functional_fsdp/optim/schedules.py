@@ -1,8 +1,11 @@
 """Learning-rate schedules: pure functions from a step count to a Python float (optax semantics).
 
 A schedule is called with the number of updates applied so far (``0`` for the first update)
-and returns a Python ``float``. Everything happens on the host, so a scheduled learning rate
-never forces a device sync. Builders validate their arguments eagerly and raise
+and returns a Python ``float``: everything happens on the host, so a scheduled learning rate
+never forces a device sync. The schedules here also take the count as a 0-dim integer tensor
+(as optimizer states under :func:`~functional_fsdp.apply_if_finite` hold it) and then return a
+0-dim float64 tensor on its device, computed with the same float64 arithmetic and without
+reading the count back. Builders validate their arguments eagerly and raise
 ``ValueError``/``TypeError`` that say which argument is wrong and how to fix it.
 """
 
@@ -13,6 +16,8 @@ import math
 import numbers
 from collections.abc import Sequence
 from typing import Protocol
+
+import torch
 
 
 class Schedule(Protocol):
@@ -27,6 +32,13 @@ class Schedule(Protocol):
     """
 
     def __call__(self, count: int) -> float: ...
+
+
+def _clamped(count: int | torch.Tensor, low: int, high: int) -> float | torch.Tensor:
+    """``min(max(count, low), high)``, as float64 (a tensor for a tensor count)."""
+    if isinstance(count, torch.Tensor):
+        return count.clamp(low, high).to(torch.float64)
+    return min(max(count, low), high)
 
 
 def _value(name: str, value: object, where: str) -> float:
@@ -98,7 +110,7 @@ def linear_schedule(
     transition_begin = _steps("transition_begin", transition_begin, where)
 
     def schedule(count: int) -> float:
-        done = min(max(count - transition_begin, 0), transition_steps)
+        done = _clamped(count - transition_begin, 0, transition_steps)
         return init_value + (end_value - init_value) * (done / transition_steps)
 
     return schedule
@@ -124,8 +136,13 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     decay_steps = _steps("decay_steps", decay_steps, where, positive=True)
 
     def schedule(count: int) -> float:
-        frac = min(max(count, 0), decay_steps) / decay_steps
-        return init_value * ((1.0 - alpha) * 0.5 * (1.0 + math.cos(math.pi * frac)) + alpha)
+        frac = _clamped(count, 0, decay_steps) / decay_steps
+        cos = (
+            torch.cos(math.pi * frac)
+            if isinstance(frac, torch.Tensor)
+            else math.cos(math.pi * frac)
+        )
+        return init_value * ((1.0 - alpha) * 0.5 * (1.0 + cos) + alpha)
 
     return schedule
 
@@ -157,6 +174,13 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
             raise TypeError(f"{where}: schedules[{i}] is {s!r}, which is not callable.")
 
     def schedule(count: int) -> float:
+        if isinstance(count, torch.Tensor):  # every piece, then a select: no host sync
+            value = _float64(schedules[-1](count - (bounds[-1] if bounds else 0)), count)
+            for i in reversed(range(len(bounds))):
+                start = bounds[i - 1] if i else 0
+                piece = _float64(schedules[i](count - start), count)
+                value = torch.where(count < bounds[i], piece, value)
+            return value
         start = 0
         for fn, bound in zip(schedules, bounds):
             if count < bound:
@@ -165,6 +189,10 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         return schedules[-1](count - start)
 
     return schedule
+
+
+def _float64(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
 
 
 def warmup_cosine_decay_schedule(

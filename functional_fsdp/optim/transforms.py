@@ -6,10 +6,13 @@ of the tree (``Sharded`` values are seen through), so an optimizer needs no shar
 it updates each rank's shards with multi-tensor ``torch._foreach_*`` kernels. Inputs are never
 written; every kernel here is out of place.
 
-Step counts are Python ints in the state. Schedules, bias corrections and momentum factors
-are computed on the host in double precision, like ``torch.optim``'s default (non-capturable)
-path, so no step forces a device sync. The price: a count is not a tensor leaf, so code that
-maps over optimizer states must let ints through.
+Step counts are Python ints in the state by default. Schedules, bias corrections and momentum
+factors are then computed on the host in double precision, like ``torch.optim``'s default
+(non-capturable) path, so no step forces a device sync. The price: a count is not a tensor
+leaf, so code that maps over optimizer states must let ints through. A count may also be a
+0-dim integer tensor (:func:`~functional_fsdp.optim.finite.apply_if_finite` makes them so, to
+leave a skipped step's counts unchanged without reading a device value): the same quantities
+are then computed on its device in float64, and nothing is read back to the host.
 
 The one mesh-aware piece, global-norm clipping, lives in :mod:`functional_fsdp.optim.clipping`.
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import optree
@@ -102,6 +106,26 @@ class GradientTransformation(NamedTuple):
     update: TransformUpdateFn
 
 
+class GradientTransformationExtraArgs(GradientTransformation):
+    """A :class:`GradientTransformation` whose ``update`` also takes keyword arguments.
+
+    optax's name for the same thing. :func:`chain` forwards keyword arguments to the members
+    that take them, and :func:`~functional_fsdp.train_step` passes ``finite=`` (whether this
+    step's loss and gradient norm are finite, the same on every rank) to an optimizer of this
+    type, e.g. :func:`~functional_fsdp.apply_if_finite`.
+
+    Example:
+        >>> import torch
+        >>> def update(updates, state, params=None, *, factor=1.0):
+        ...     return {k: factor * g for k, g in updates.items()}, state
+        >>> t = GradientTransformationExtraArgs(lambda params: EmptyState(), update)
+        >>> chain(t, identity()).update({"w": torch.ones(1)}, (EmptyState(),) * 2, factor=3.0)[0]
+        {'w': tensor([3.])}
+    """
+
+    __slots__ = ()
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation.
 
@@ -119,7 +143,8 @@ class ScaleByScheduleState(NamedTuple):
         ScaleByScheduleState(count=0)
     """
 
-    count: int  # updates applied so far; a Python int, so schedules run on the host
+    count: int | torch.Tensor  # updates applied so far: a Python int (schedules run on the
+    # host), or an int64 scalar tensor (schedules run on its device)
 
 
 class TraceState(NamedTuple):
@@ -143,7 +168,8 @@ class ScaleByAdamState(NamedTuple):
         ScaleByAdamState(count=0, mu={'w': tensor([0.])}, nu={'w': tensor([0.])})
     """
 
-    count: int  # updates applied so far; a Python int (bias corrections run on the host)
+    count: int | torch.Tensor  # updates applied so far: a Python int (bias corrections run on
+    # the host), or an int64 scalar tensor (they run on its device, in float64)
     mu: Any  # like params (same shapes, dtypes, specs): first moment, torch's exp_avg
     nu: Any  # like params: second moment, torch's exp_avg_sq
 
@@ -161,11 +187,69 @@ class MaskedState(NamedTuple):
     inner_state: Any  # the inner transformation's state over the masked leaves only
 
 
+# --------------------------------------------------------------------------- learning rates
+
+# A transformation that applies a learning rate says how to read it from its state: its
+# update function carries ``fn(state) -> lr`` under this attribute. Combinators pass it on.
+_LEARNING_RATE = "_ff_learning_rate"
+LearningRateFn = Callable[[OptState], "float | torch.Tensor"]
+
+
+def _with_learning_rate(t: GradientTransformation, fn: LearningRateFn) -> GradientTransformation:
+    setattr(t.update, _LEARNING_RATE, fn)
+    return t
+
+
+def learning_rate_fn(t: GradientTransformation) -> LearningRateFn | None:
+    """``fn(state) -> lr`` for a transformation that applies a learning rate, else ``None``."""
+    return getattr(t.update, _LEARNING_RATE, None)
+
+
+# Likewise, a transformation with something to report per step (apply_if_finite's skips)
+# carries ``fn(new_state) -> {name: value}``; train_step adds it to its metrics.
+_REPORT = "_ff_report"
+ReportFn = Callable[[OptState], dict[str, Any]]
+
+
+def _with_report(t: GradientTransformation, fn: ReportFn) -> GradientTransformation:
+    setattr(t.update, _REPORT, fn)
+    return t
+
+
+def report_fn(t: GradientTransformation) -> ReportFn | None:
+    """``fn(state) -> {metric: value}`` for a transformation that reports some, else ``None``."""
+    return getattr(t.update, _REPORT, None)
+
+
+def learning_rate_of(optimizer: GradientTransformation, state: OptState) -> float | torch.Tensor:
+    """The learning rate ``optimizer`` applies at its next update from ``state``.
+
+    Read from the optimizer's own learning rate (a constant or a schedule of its step count),
+    so a schedule is given once, to the optimizer. A Python float, or a 0-dim tensor when the
+    counts are tensors (under :func:`~functional_fsdp.apply_if_finite`). ``nan`` if the
+    optimizer applies no learning rate (a custom transformation, say).
+
+    Example:
+        >>> import functional_fsdp as ff, torch
+        >>> opt = ff.adamw(ff.linear_schedule(1.0, 0.0, transition_steps=4))
+        >>> params = {"w": torch.ones(1)}
+        >>> state = opt.init(params)
+        >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
+        >>> ff.learning_rate_of(opt, state)  # the rate of the second update
+        0.75
+    """
+    fn = learning_rate_fn(optimizer)
+    return float("nan") if fn is None else fn(state)
+
+
 # --------------------------------------------------------------------------- combinators
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transformations in order; the state is the tuple of their states.
+
+    If any member is a :class:`GradientTransformationExtraArgs`, so is the chain: keyword
+    arguments given to its ``update`` go to those members.
 
     Example:
         >>> import torch
@@ -182,11 +266,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"sgd(0.1); call factory functions (adam(1e-3), not adam)."
             )
 
+    extra = [isinstance(t, GradientTransformationExtraArgs) for t in transforms]
+
     def init(params: Params) -> OptState:
         return tuple(t.init(params) for t in transforms)
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates, state: OptState, params: Params | None = None, **kwargs: Any
     ) -> tuple[Updates, OptState]:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             got = f"{len(state)} entries" if isinstance(state, tuple) else type(state).__name__
@@ -195,12 +281,24 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"state that this chain's init() returned."
             )
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for t, s, takes in zip(transforms, state, extra):
+            updates, s = (
+                t.update(updates, s, params, **kwargs) if takes else t.update(updates, s, params)
+            )
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    out = (GradientTransformationExtraArgs if any(extra) else GradientTransformation)(init, update)
+    reports = [(i, fn) for i, t in enumerate(transforms) if (fn := report_fn(t)) is not None]
+    if reports:
+        _with_report(
+            out, lambda state: {k: v for i, fn in reports for k, v in fn(state[i]).items()}
+        )
+    for i, t in enumerate(transforms):
+        fn = learning_rate_fn(t)
+        if fn is not None:
+            return _with_learning_rate(out, lambda state, i=i, fn=fn: fn(state[i]))
+    return out
 
 
 def identity() -> GradientTransformation:
@@ -250,8 +348,13 @@ def _check_schedule(where: str, name: str, fn: object) -> None:
         )
 
 
-def _scheduled(where: str, fn: Schedule, count: int, *, low: float | None = None) -> float:
+def _scheduled(
+    where: str, fn: Schedule, count: int | torch.Tensor, *, low: float | None = None
+) -> float | torch.Tensor:
     value = fn(count)
+    if isinstance(count, torch.Tensor) and isinstance(value, torch.Tensor):
+        # A count on the device: checking the value would read it back (a sync every step).
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{where}: the schedule returned {value!r} ({type(value).__name__}) at step "
@@ -299,6 +402,10 @@ def _scale_by_schedule(
     return GradientTransformation(init, update)
 
 
+def _scheduled_rate(where: str, fn: Schedule) -> LearningRateFn:
+    return lambda state: _scheduled(where, fn, state.count, low=0.0)
+
+
 def scale_by_learning_rate(
     learning_rate: float | Schedule, *, flip_sign: bool = True
 ) -> GradientTransformation:
@@ -322,7 +429,8 @@ def scale_by_learning_rate(
     where = "scale_by_learning_rate"
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        return _scale_by_schedule(where, learning_rate, sign=sign, low=0.0)
+        t = _scale_by_schedule(where, learning_rate, sign=sign, low=0.0)
+        return _with_learning_rate(t, _scheduled_rate(where, learning_rate))
     if isinstance(learning_rate, torch.Tensor) or not isinstance(learning_rate, numbers.Real):
         raise TypeError(
             f"{where}: learning_rate must be a float or a schedule fn(step) -> float, got "
@@ -336,7 +444,7 @@ def scale_by_learning_rate(
             f"{where}: learning_rate must be finite and >= 0, got {lr}. Pass the step size "
             f"as a positive number: the update is negated for you (flip_sign=True)."
         )
-    return scale(sign * lr)
+    return _with_learning_rate(scale(sign * lr), lambda state: lr)
 
 
 # --------------------------------------------------------------------------- transformations
@@ -412,7 +520,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         count = state.count + 1
         if not g:
             return updates, state._replace(count=count)
-        bc1, bc2 = 1.0 - b1**count, 1.0 - b2**count
+        bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
         if is_donating():  # moments in place, the step's grads reused as scratch
             torch._foreach_lerp_(mu, g, 1.0 - b1)
             torch._foreach_mul_(nu, b2)
@@ -434,6 +542,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return optree.tree_unflatten(treedef, out), new_state
 
     return GradientTransformation(init, update)
+
+
+def _bias_correction(beta: float, count: int | torch.Tensor) -> float | torch.Tensor:
+    """``1 - beta**count``: on the host for an int count, on its device (float64) for a tensor."""
+    if isinstance(count, torch.Tensor):
+        return 1.0 - torch.pow(beta, count.to(torch.float64))
+    return 1.0 - beta**count
 
 
 def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> GradientTransformation:
@@ -538,7 +653,12 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         out = [n if f else u for u, n, f in zip(u_leaves, new_leaves, flags)]
         return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    out = GradientTransformation(init, update)
+    report = report_fn(inner)
+    if report is not None:
+        _with_report(out, lambda s: report(s.inner_state))
+    fn = learning_rate_fn(inner)
+    return out if fn is None else _with_learning_rate(out, lambda s: fn(s.inner_state))
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

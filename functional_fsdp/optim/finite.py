@@ -1,0 +1,204 @@
+"""Skip updates whose gradients (or loss) are not finite: optax's ``apply_if_finite``.
+
+The decision is a tensor, never a Python ``if`` on a device value: the inner optimizer runs
+every step, and its results are selected with ``torch.where`` against the previous state.
+So a step costs no host sync, a compiled step can trace it, and a skipped step leaves the
+parameters and the inner optimizer state bitwise as they were. For that, the inner state's
+step counts become 0-dim tensors (a Python int cannot be selected on the device): bias
+corrections and schedules then run on the device.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .._tree import NAMESPACE
+from ._tree import donating, is_donating, local_leaves
+from .clipping import global_norm
+from .transforms import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    OptState,
+    Params,
+    Updates,
+    _with_learning_rate,
+    _with_report,
+    learning_rate_fn,
+)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite` (optax's fields).
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> state = ff.apply_if_finite(ff.sgd(0.1), 3).init({"w": torch.ones(2)})
+        >>> state.notfinite_count, state.total_notfinite, state.last_finite
+        (tensor(0), tensor(0), tensor(True))
+    """
+
+    notfinite_count: (
+        torch.Tensor
+    )  # int64 scalar: non-finite updates in a row (0 after a finite one)
+    last_finite: torch.Tensor  # bool scalar: whether the last update was finite
+    total_notfinite: torch.Tensor  # int64 scalar: non-finite updates so far
+    inner_state: Any  # the inner optimizer's state; its step counts are int64 scalar tensors
+
+
+def _device_of(params: Params) -> torch.device:
+    leaves = [t for t in local_leaves(params)[0] if isinstance(t, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _tensor_counts(state: OptState, device: torch.device) -> OptState:
+    """``state`` with its Python int leaves (step counts) as int64 scalar tensors."""
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+            return torch.tensor(int(x), dtype=torch.int64, device=device)
+        return x
+
+    return optree.tree_map(convert, state, namespace=NAMESPACE)
+
+
+def _select(keep_new: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
+    """``new`` where ``keep_new``, else ``old``, leaf by leaf; into ``old``'s buffers if asked."""
+    accessors, new_leaves, treedef = optree.tree_flatten_with_accessor(new, namespace=NAMESPACE)
+    old_leaves = treedef.flatten_up_to(old)
+    out = []
+    for accessor, n, o in zip(accessors, new_leaves, old_leaves):
+        if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor):
+            if n is o:
+                out.append(o)
+            elif in_place:
+                out.append(torch.where(keep_new, n, o, out=o))
+            else:
+                out.append(torch.where(keep_new, n, o))
+        elif n is o or (type(n) is type(o) and n == o):
+            out.append(n)
+        else:
+            raise TypeError(
+                f"apply_if_finite: the inner optimizer state holds {o!r} "
+                f"({type(o).__name__}) at {_path(accessor)}, which changed to {n!r}; "
+                f"a skipped step could not keep it without reading a device value. Create the "
+                f"state with apply_if_finite(...).init(params), which makes step counts tensors."
+            )
+    return optree.tree_unflatten(treedef, out)
+
+
+def _path(accessor: optree.PyTreeAccessor) -> str:
+    """A leaf's path with NamedTuple fields by name, e.g. ``inner_state.0.count``."""
+    parts = []
+    for entry in accessor:
+        if isinstance(entry, optree.NamedTupleEntry):
+            parts.append(str(entry.field))
+        elif isinstance(entry, (optree.GetAttrEntry, optree.DataclassEntry)):
+            parts.append(str(entry.name))
+        else:
+            parts.append(str(entry.entry))
+    return "inner_state." + ".".join(parts) if parts else "inner_state"
+
+
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int
+) -> GradientTransformationExtraArgs:
+    """Apply ``inner`` only when the updates are finite; otherwise leave everything as it was.
+
+    optax's ``apply_if_finite``: a non-finite step (a NaN or Inf in the gradients, or in the
+    loss under :func:`~functional_fsdp.train_step`) gives updates that change no parameter
+    (``-0.0``, which adding leaves every value bitwise the same) and keeps the inner state
+    bitwise as it was; ``notfinite_count``, ``last_finite`` and ``total_notfinite`` in the state
+    say what happened. After more than ``max_consecutive_errors`` non-finite steps in a row
+    the update is applied anyway, so that a run that only produces NaNs shows them instead
+    of silently standing still.
+
+    The decision is the same on every rank: it comes from the mesh-aware
+    :func:`~functional_fsdp.global_norm` of the updates, or from the ``finite=`` that
+    ``train_step`` passes (the global loss and gradient norm it computes anyway, so no extra
+    collective). It is a tensor, never read on the host: no sync, and traceable. The inner
+    optimizer runs every step; its step counts are kept as 0-dim tensors, so a skipped step
+    does not advance them. Under ``train_step(donate=True)`` the inner optimizer runs out of
+    place (the size of its state in temporary memory) and the results are selected into the
+    donated buffers, which are never written with non-finite values.
+
+    Args:
+        inner: the optimizer to guard, e.g. ``chain(clip_by_global_norm(1.0), adamw(3e-4))``.
+        max_consecutive_errors: how many non-finite steps in a row to skip before applying
+            one anyway.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> opt = ff.apply_if_finite(ff.sgd(0.1), max_consecutive_errors=3)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, float("nan")])}, state, params)
+        >>> ff.apply_updates(params, updates), state.total_notfinite
+        ({'w': tensor([1., 1.])}, tensor(1))
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(
+            f"apply_if_finite: inner must be a GradientTransformation, got {inner!r} "
+            f"({type(inner).__name__}); e.g. apply_if_finite(ff.adamw(1e-3), 5)."
+        )
+    if (
+        isinstance(max_consecutive_errors, bool)
+        or not isinstance(max_consecutive_errors, numbers.Integral)
+        or max_consecutive_errors < 0
+    ):
+        raise ValueError(
+            f"apply_if_finite: max_consecutive_errors must be an int >= 0, got "
+            f"{max_consecutive_errors!r}; e.g. 5 skips up to 5 non-finite steps in a row."
+        )
+    limit = int(max_consecutive_errors)
+
+    def init(params: Params) -> ApplyIfFiniteState:
+        device = _device_of(params)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return ApplyIfFiniteState(
+            notfinite_count=zero,
+            last_finite=torch.ones((), dtype=torch.bool, device=device),
+            total_notfinite=zero.clone(),
+            inner_state=_tensor_counts(inner.init(params), device),
+        )
+
+    def update(
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        finite: torch.Tensor | None = None,
+    ) -> tuple[Updates, ApplyIfFiniteState]:
+        if not isinstance(state, ApplyIfFiniteState):
+            raise TypeError(
+                f"apply_if_finite: got a state of type {type(state).__name__}; pass the "
+                f"state that this transformation's init() returned."
+            )
+        if finite is None:
+            finite = torch.isfinite(global_norm(updates))
+        in_place = is_donating()
+        notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
+        apply = finite | (notfinite_count > limit)
+        with donating(False):  # the old state must survive a skip: never written here
+            new_updates, new_inner = inner.update(updates, state.inner_state, params)
+        new_inner = _select(apply, new_inner, state.inner_state, in_place)
+        leaves, treedef = local_leaves(new_updates)
+        new_updates = optree.tree_unflatten(treedef, [torch.where(apply, u, -0.0) for u in leaves])
+        return new_updates, ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=finite,
+            total_notfinite=torch.where(finite, state.total_notfinite, state.total_notfinite + 1),
+            inner_state=new_inner,
+        )
+
+    def report(state: ApplyIfFiniteState) -> dict[str, torch.Tensor]:
+        skipped = ~state.last_finite & (state.notfinite_count <= limit)
+        return {"skipped": skipped, "nonfinite_steps": state.total_notfinite}
+
+    out = GradientTransformationExtraArgs(init, update)
+    _with_report(out, report)
+    fn = learning_rate_fn(inner)
+    return out if fn is None else _with_learning_rate(out, lambda s: fn(s.inner_state))  # type: ignore[return-value]
