@@ -123,6 +123,18 @@ class _WithSteps(nn.Module):
         return self.lin(x)
 
 
+class _Masked(nn.Module):
+    """A module with a bool parameter (a pruning mask kept with the weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.mask = nn.Parameter(torch.ones(2, 4, dtype=torch.bool), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.lin.weight * self.mask, self.lin.bias)
+
+
 class _Complex(nn.Module):
     """A module with a complex weight (a learned filter)."""
 
@@ -684,6 +696,17 @@ CASES: list[Case] = [
         lambda ctx: ff.fsdp(_WithSteps(), ctx.mesh, trainable=["lin.weight", "steps"]),
     ),
     Case(
+        "fsdp_trainable_bool",
+        "fsdp(model, mesh, trainable=lambda name: True) with a bool 'mask'",
+        TypeError,
+        (
+            "fsdp(trainable=...) selects _Masked.mask (shape (2, 4), torch.bool)",
+            "integer and bool parameters have no gradients",
+            "make it a buffer (module.register_buffer)",
+        ),
+        lambda ctx: ff.fsdp(_Masked(), ctx.mesh, trainable=lambda name: True),
+    ),
+    Case(
         "policy_grad_reduce",
         "Policy(grad_reduce='avg')",
         ValueError,
@@ -703,7 +726,11 @@ CASES: list[Case] = [
         "apply_full_tensors",
         "sharded_model.apply({name: full tensor}, x)",
         TypeError,
-        ("params['0.weight'] is a ", "FSDP.apply takes Sharded values (use FSDP.shard()"),
+        (
+            "params['0.weight'] is a ",
+            "Tensor of shape (16, 8), not a Sharded value",
+            "FSDP.apply takes Sharded values (use FSDP.shard()",
+        ),
         lambda ctx: _apply_with(ctx, lambda sm: ff.gather(sm.shard())),
         real=True,
     ),
@@ -743,6 +770,7 @@ CASES: list[Case] = [
             "LlamaForCausalLM's parameter is torch.float32 (64, 32) P('dp') on Mesh(dp=2)",
         ),
         _hf_other_config,
+        real=True,
     ),
     Case(
         "apply_other_mesh",
@@ -917,6 +945,7 @@ CASES: list[Case] = [
         ),
         _ckpt_other_llama,
         where="plain",
+        real=True,
     ),
     Case(
         "ckpt_not_a_checkpoint",
@@ -936,7 +965,11 @@ CASES: list[Case] = [
         "ckpt_onto_a_file",
         "checkpoint.save('results.txt', state) where the file exists",
         CheckpointError,
-        ("results.txt': it is a file, not a checkpoint directory", "Save into a new directory"),
+        (
+            "results.txt': it is a file, not a checkpoint directory",
+            "Save into a new directory, e.g. ",
+            "ckpt_onto_a_file/step_100'",
+        ),
         _ckpt_file,
         where="plain",
     ),

@@ -9,7 +9,6 @@ files or c10d also run on 2 real gloo processes, where the same wording must com
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -24,8 +23,6 @@ import pytest
 import functional_fsdp as ff
 
 from . import _catalogue_workers as W
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -78,38 +75,45 @@ def test_bad_inputs_on_real_gloo_processes(pools, shared_tmp: Path):
 
 # --------------------------------------------------------------------------- leaks
 
-_LEAK_PROBE = r"""
-import json, os, subprocess, sys
-import functional_fsdp as ff
-
-keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-before = {k: os.environ.get(k) for k in keys}
-mesh = ff.make_mesh({"dp": 1}, device_type="cpu")
-after = {k: os.environ.get(k) for k in keys}
-# A process started now sets up its own single-process group: it must find a free port.
-child = subprocess.run(
-    [sys.executable, "-c", "import functional_fsdp as ff; "
-     "print(ff.make_mesh({'dp': 1}, device_type='cpu').mesh_dim_names)"],
-    capture_output=True, text=True, timeout=120,
+_LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
 )
-print(json.dumps({"before": before, "after": after, "child_rc": child.returncode,
-                  "child_out": child.stdout + child.stderr[-2000:]}))
+
+# What a process started later does first when it sets up its own single-process group: bind
+# MASTER_PORT if the environment names one (TCPStore's server), else any free port.
+_CHILD = """
+import os, socket
+port = int(os.environ.get("MASTER_PORT", "0"))
+with socket.socket() as s:
+    s.bind(("127.0.0.1", port))
+    print("bound", port, os.environ.get("RANK"))
 """
 
 
-def test_make_mesh_outside_torchrun_leaves_the_environment_as_it_was():
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    run = subprocess.run(
-        [sys.executable, "-c", _LEAK_PROBE],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["before"]["MASTER_ADDR"] == "127.0.0.1"  # a variable the user set stays
-    assert out["after"] == out["before"]
-    assert out["child_rc"] == 0 and "('dp',)" in out["child_out"], out["child_out"]
+def test_make_mesh_outside_torchrun_leaves_the_environment_as_it_was(monkeypatch):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # otherwise make_mesh would start no group here
+    for key in _LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set by the user: it must stay
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    try:
+        mesh = ff.make_mesh({"dp": 1}, device_type="cpu")
+        assert mesh.mesh_dim_names == ("dp",)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        after = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert after == before
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.startswith("bound 0 None"), child.stdout

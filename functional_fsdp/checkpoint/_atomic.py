@@ -298,12 +298,16 @@ def _not_a_checkpoint(path: Path, where: str) -> str | None:
     """
     if not (path.exists() or path.is_symlink()):
         return None
+    if not path.is_dir():
+        return (
+            f"{where}: it is a file, not a checkpoint directory. A save writes a directory "
+            f"and would replace the file. Save into a new directory, e.g. "
+            f"{str(path.parent / 'step_100')!r}, or remove the file first."
+        )
     fix = (
         f"A save replaces its target directory whole. Save into a new directory, e.g. "
         f"{str(path / 'step_100')!r}, or remove this one first."
     )
-    if not path.is_dir():
-        return f"{where}: it is a file, not a checkpoint directory. {fix}"
     try:
         names = sorted(p.name for p in path.iterdir())
     except OSError:

@@ -266,9 +266,11 @@ class FSDP:
         for name, (shape, spec, dtype) in expected.items():
             v = params[name]
             if not isinstance(v, Sharded):
+                shape = f" of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else ""
                 raise TypeError(
-                    f"params[{name!r}] is a {type(v).__name__}; FSDP.apply takes Sharded values "
-                    f"(use FSDP.shard(), or ff.shard(params, mesh, P()) to replicate)."
+                    f"params[{name!r}] is a {type(v).__name__}{shape}, not a Sharded value; "
+                    f"FSDP.apply takes Sharded values (use FSDP.shard(), or "
+                    f"ff.shard(params, mesh, P()) to replicate)."
                 )
             if v.mesh is not self.mesh and v.mesh != self.mesh:
                 raise ValueError(
