@@ -60,6 +60,11 @@ class Sharded:
     def __init__(
         self, local: torch.Tensor, global_shape: tuple[int, ...], spec: P, mesh: DeviceMesh
     ) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(
+                f"Sharded needs its local block as a torch.Tensor, got {type(local).__name__}; "
+                f"build Sharded values with ff.shard(full_tensor, mesh, spec)."
+            )
         global_shape = tuple(int(s) for s in global_shape)
         if not isinstance(spec, P):
             raise TypeError(

@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
 from .dist import collectives as C
-from .dist.mesh import axis_names, axis_sizes, local_coordinate
+from .dist.mesh import axis_names, axis_sizes, check_mesh, local_coordinate
 from .dist.simulate import is_simulated, on_rank, per_coordinate, rank_values
 from .sharded import Sharded, block_of, local_shape_problem
-from .spec import Layout, P, format_mesh, gather_schedule, spec_problem
+from .spec import Layout, P, did_you_mean, format_mesh, gather_schedule, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
 Specs = P | SpecRule | Any
@@ -168,6 +168,7 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
         ...     sharded["w"].local.shape, sharded["n"]
         (torch.Size([3, 3]), 7)
     """
+    check_mesh(mesh, "shard(tree, mesh, specs)")
     paths, leaves, treedef = _flatten(tree)
     C.check_same_on_ranks(mesh, paths, leaves, "shard()")  # debug mode (FUNCTIONAL_FSDP_CHECK)
     out = []
@@ -180,6 +181,12 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
         if spec is None:
             out.append(leaf)
             continue
+        if leaf.is_meta:
+            raise ValueError(
+                f"shard(): {keystr(path)} (shape {tuple(leaf.shape)}) is on the meta device: "
+                f"it has a shape but no values to shard. Materialise it first (for a module "
+                f"built on meta: params, buffers = ff.init_sharded(ff.fsdp(module, mesh)))."
+            )
         layout = _checked_layout(path, leaf.shape, spec, mesh)
         _check_same_on_every_rank(path, leaf)
         with torch.no_grad():
@@ -340,12 +347,31 @@ def _gather_values(
 
 
 def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
-    """All values on one mesh, each with a local block of its layout's shape."""
+    """All values on one mesh and one device, each with a local block of its layout's shape.
+
+    Checked before any collective, so a bad leaf is named by its path instead of failing
+    inside c10d.
+    """
     for path, v in zip(paths, values):
         problem = local_shape_problem(tuple(v.local.shape), v.global_shape, v.spec, v.mesh)
         if problem:
             raise ValueError(f"{what}(): {keystr(path)}: {problem}")
     first = values[0]
+    for path, v in zip(paths[1:], values[1:]):
+        if v.local.device != first.local.device:
+            raise ValueError(
+                f"{what}() got values on different devices: {keystr(paths[0])} is on "
+                f"{first.local.device} but {keystr(path)} (shape {v.global_shape}) is on "
+                f"{v.local.device}. Move them to one device first, e.g. "
+                f"ff.tree_map(lambda t: t.to({str(first.local.device)!r}), tree)."
+            )
+    if first.local.is_meta:
+        raise ValueError(
+            f"{what}(): {keystr(paths[0])} (shape {first.global_shape}, "
+            f"{first.spec.trimmed()}) is on the meta device: it has no values to communicate. "
+            f"Materialise it first (ff.init_sharded for a module built on meta, or "
+            f"ff.checkpoint.load)."
+        )
     for path, v in zip(paths[1:], values[1:]):
         if v.mesh is not first.mesh and v.mesh != first.mesh:
             raise ValueError(
@@ -394,11 +420,12 @@ def gather(
     if wanted_axes is not None:
         unknown = wanted_axes - set(axis_names(values[0].mesh))
         if unknown:
+            bad = sorted(unknown, key=str)[0]
             raise ValueError(
-                f"gather(axes={sorted(wanted_axes)}): the mesh "
-                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {sorted(unknown)[0]!r}; "
-                f"name some of its axes {axis_names(values[0].mesh)}, or pass axes=None to "
-                f"gather all of them."
+                f"gather(axes={sorted(wanted_axes, key=str)}): the mesh "
+                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {bad!r}"
+                f"{did_you_mean(bad, axis_names(values[0].mesh))}; name some of its axes "
+                f"{axis_names(values[0].mesh)}, or pass axes=None to gather all of them."
             )
     wanted = [
         set(v.spec.axes) if wanted_axes is None else wanted_axes & set(v.spec.axes) for v in values

@@ -16,8 +16,9 @@ Layout rules:
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 SpecEntry = None | str | tuple[str, ...]
@@ -285,6 +286,11 @@ def spec_problem(shape: Sequence[int], spec: P, axis_sizes: Mapping[str, int]) -
     """Why ``spec`` cannot lay out a tensor of ``shape`` on a mesh, or ``None`` if it can."""
     if not isinstance(spec, P):
         return f"expected a P, got {spec!r} ({type(spec).__name__})"
+    if len(shape) == 0 and len(spec.trimmed()) > 0:
+        return (
+            f"{spec} splits dim 0, but the tensor is 0-dim (a scalar has no dims to split); "
+            f"use P() to replicate it"
+        )
     if len(spec) > len(shape):
         return (
             f"{spec} has {len(spec)} entries but the tensor has only {len(shape)} dims; "
@@ -295,8 +301,37 @@ def spec_problem(shape: Sequence[int], spec: P, axis_sizes: Mapping[str, int]) -
         return (
             f"{spec} names mesh axis {unknown[0]!r}, which the mesh does not have "
             f"(its axes are {tuple(axis_sizes)}); use one of those names"
+            f"{did_you_mean(unknown[0], axis_sizes)}"
         )
     return None
+
+
+def did_you_mean(name: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'dp'?)`` for the choice closest to a misspelled ``name``, else ``""``.
+
+    Example:
+        >>> did_you_mean("pd", ["dp", "tp"]), did_you_mean("DP", ["dp"]), did_you_mean("zz", ["dp"])
+        (" (did you mean 'dp'?)", " (did you mean 'dp'?)", '')
+    """
+    choices = [c for c in choices if isinstance(c, str)]
+    if not isinstance(name, str) or not choices:
+        return ""
+    by_lower = {c.lower(): c for c in choices}
+    if name.lower() in by_lower:
+        return f" (did you mean {by_lower[name.lower()]!r}?)"
+    low = name.lower()
+    # Transposed letters first ('pd' for 'dp'). Axis names are short: a one-letter slip in a
+    # two-letter name ('db' for 'dp') keeps half the letters, so a ratio of 0.5 counts when
+    # the first letter is right ('pp' is another axis, not a slip of 'dp' or 'tp').
+    close = [c for c in by_lower if len(c) > 1 and sorted(c) == sorted(low)]
+    if not close:
+        scored = [(difflib.SequenceMatcher(None, low, c).ratio(), c) for c in by_lower]
+        close = [
+            c
+            for ratio, c in sorted(scored, key=lambda rc: -rc[0])
+            if ratio >= 0.75 or (ratio >= 0.5 and c[:1] == low[:1])
+        ]
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
 
 
 def format_mesh(axis_sizes: Mapping[str, int]) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 MARKER = "COMMIT.json"
 FORMAT = "functional_fsdp.checkpoint/1"
@@ -118,8 +119,58 @@ def file_digest(path: str | os.PathLike[str]) -> dict[str, int]:
     return {"size": size, "crc32": crc}
 
 
+class _Recording:
+    """A file stream that remembers the first ``OSError`` its writes raise."""
+
+    def __init__(self, stream: Any, fs: _RecordingFS) -> None:
+        self._stream, self._fs = stream, fs
+
+    def _record(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            self._fs.first_error = self._fs.first_error or e
+            raise
+
+    def write(self, b: Any) -> int:
+        return self._record(self._stream.write, b)
+
+    def flush(self) -> None:
+        self._record(self._stream.flush)
+
+    def close(self) -> None:
+        self._record(self._stream.close)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _RecordingFS(FileSystem):
+    """DCP's file system, remembering the first failed write (e.g. ``ENOSPC``).
+
+    ``torch.save`` turns a failed write into ``RuntimeError: ... unexpected pos`` (the
+    ``OSError`` is lost inside its C++ zip writer); the remembered error says what happened.
+    """
+
+    first_error: OSError | None = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _Recording(stream, self)
+        except OSError as e:
+            self.first_error = self.first_error or e
+            raise
+
+
 class _Writer(dcp.FileSystemWriter):
-    """DCP's writer, reporting the phase between this rank's data files and the metadata."""
+    """DCP's writer, reporting the phase between this rank's data files and the metadata,
+    and remembering the first failed file write."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _RecordingFS()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -134,13 +185,18 @@ def _describe(exc: BaseException) -> str:
         parts = []
         for rank, failure in sorted(failures.items()):
             inner = getattr(failure, "exc", failure)
-            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+            if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+                inner = inner[0]  # DCP keeps (exception, traceback frames)
+            parts.append(f"rank {rank}: {_describe(inner)}")
         return "; ".join(parts) or str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    text = f"{type(exc).__name__}: {exc}"
+    if "unexpected pos" in text:  # torch.save's zip writer after a short write
+        text += " (a file write was cut short: is the disk full?)"
+    return text
 
 
 def _fix_for(message: str) -> str:
-    if "No space left" in message or "File too large" in message or "Errno 28" in message:
+    if any(m in message for m in ("No space left", "File too large", "Errno 28", "cut short")):
         return "Free disk space (or choose another directory) and save again."
     if "Permission denied" in message or "Read-only" in message or "Errno 13" in message:
         return "Choose a writable directory, or fix its permissions, and save again."
@@ -173,6 +229,8 @@ def save_state_dict(
     tmp: Path | None = None
     error = None
     if rank == 0:
+        error = _not_a_checkpoint(path, where)
+    if rank == 0 and error is None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -187,8 +245,8 @@ def save_state_dict(
         raise CheckpointError(error or f"{where}: rank 0 made no temporary directory")
     _phase("started")
 
+    writer = _Writer(tmp, sync_files=True)
     try:
-        writer = _Writer(tmp, sync_files=True)
         with _single_process_quiet(distributed):
             dcp.save(
                 state_dict,
@@ -199,7 +257,8 @@ def save_state_dict(
     except (CheckpointException, OSError, RuntimeError) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        msg = _describe(e)
+        cause = writer.fs.first_error
+        msg = _describe(cause) if cause is not None else _describe(e)
         raise CheckpointError(
             f"{where}: writing the files failed ({msg}). {_fix_for(msg)} The previous "
             f"checkpoint at this path, if any, is untouched."
@@ -228,6 +287,38 @@ def save_state_dict(
                 f"checkpoint at this path, if any, is untouched."
             )
     _agree(error, process_group)
+
+
+def _not_a_checkpoint(path: Path, where: str) -> str | None:
+    """Why ``path`` must not be replaced by a save: it exists and is not a checkpoint.
+
+    A save replaces its target whole; a file or a directory of other files there would be
+    deleted. An empty directory, a committed checkpoint and a plain DCP directory (with
+    ``.metadata``) may be replaced.
+    """
+    if not (path.exists() or path.is_symlink()):
+        return None
+    if not path.is_dir():
+        return (
+            f"{where}: it is a file, not a checkpoint directory. A save writes a directory "
+            f"and would replace the file. Save into a new directory, e.g. "
+            f"{str(path.parent / 'step_100')!r}, or remove the file first."
+        )
+    fix = (
+        f"A save replaces its target directory whole. Save into a new directory, e.g. "
+        f"{str(path / 'step_100')!r}, or remove this one first."
+    )
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError:
+        return None  # unreadable: the save itself reports the real problem
+    if names and MARKER not in names and ".metadata" not in names:
+        shown = names[:5] + (["..."] if len(names) > 5 else [])
+        return (
+            f"{where}: the directory exists and is not a checkpoint (it holds {shown}), so "
+            f"saving would delete those files. {fix}"
+        )
+    return None
 
 
 def _commit(

@@ -120,23 +120,9 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
     except Exception as e:  # a missing or truncated .metadata: OSError, UnpicklingError, ...
         raise _atomic.describe_error(path, e) from None
+    _check_template(os.fspath(path), keys, leaves, metadata)
     state_dict: dict[str, Any] = {}
     for key, leaf in zip(keys, leaves):
-        if key not in metadata:
-            raise ValueError(
-                f"checkpoint.load: {key!r} is not in the checkpoint at {os.fspath(path)!r} "
-                f"(it has {sorted(metadata)[:8]}...). Load into a template with the saved "
-                f"structure, e.g. the same model and optimizer."
-            )
-        saved_shape = getattr(metadata[key], "size", None)
-        tensor_like = isinstance(leaf, (Sharded, torch.Tensor)) and saved_shape is not None
-        if tensor_like and tuple(saved_shape) != tuple(leaf.shape):
-            raise ValueError(
-                f"checkpoint.load: {key!r} was saved with global shape "
-                f"{tuple(saved_shape)} in {os.fspath(path)!r}, but the template has "
-                f"{tuple(leaf.shape)}: the checkpoint is of another model. Build the template "
-                f"from the model configuration the checkpoint was saved with."
-            )
         if isinstance(leaf, Sharded):
             dt = leaf.to_dtensor()
             local = torch.empty_like(dt.to_local())
@@ -158,3 +144,48 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
         value = state_dict[key]
         out.append(Sharded.from_dtensor(value) if isinstance(leaf, Sharded) else value)
     return optree.tree_unflatten(treedef, out)
+
+
+def _check_template(path: str, keys: list[str], leaves: list[Any], metadata: Any) -> None:
+    """Refuse a template of another structure or shapes, naming every key that differs."""
+    missing = [k for k in keys if k not in metadata]
+    reshaped: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for key, leaf in zip(keys, leaves):
+        saved = getattr(metadata.get(key), "size", None)
+        tensor_like = isinstance(leaf, (Sharded, torch.Tensor)) and saved is not None
+        if tensor_like and tuple(saved) != tuple(leaf.shape):
+            reshaped.append((key, tuple(saved), tuple(leaf.shape)))
+    if not missing and not reshaped:
+        return
+    extra = sorted(set(metadata) - set(keys))
+    if reshaped:
+        key, saved_shape, like_shape = reshaped[0]
+        head = (
+            f"checkpoint.load: {key!r} was saved with global shape {saved_shape} in {path!r}, "
+            f"but the template has {like_shape}: the checkpoint is of another model."
+        )
+    else:
+        head = (
+            f"checkpoint.load: {missing[0]!r} is not in the checkpoint at {path!r}"
+            f"{_close(missing[0], extra)}: the checkpoint is of another model or optimizer."
+        )
+    parts = []
+    if len(reshaped) > 1 or (reshaped and missing):
+        shown = "; ".join(f"{k!r} saved {a}, template {b}" for k, a, b in reshaped[:5])
+        parts.append(f"{len(reshaped)} key(s) differ in shape: {shown}")
+    if missing and (reshaped or len(missing) > 1):
+        parts.append(f"{len(missing)} key(s) are not in the checkpoint: {missing[:5]}")
+    if extra and missing:
+        parts.append(f"the checkpoint has {len(extra)} key(s) the template lacks: {extra[:5]}")
+    details = (" " + ". ".join(parts) + ".") if parts else ""
+    raise ValueError(
+        f"{head}{details} Build the template from the model configuration (and optimizer) "
+        f"the checkpoint was saved with."
+    )
+
+
+def _close(key: str, keys: list[str]) -> str:
+    import difflib
+
+    found = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    return f" (did you mean {found[0]!r}?)" if found else ""

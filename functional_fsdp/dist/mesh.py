@@ -9,14 +9,16 @@ import contextlib
 import datetime
 import enum
 import math
+import operator
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..spec import format_mesh
+from ..spec import did_you_mean, format_mesh
 
 
 class Axis(str, enum.Enum):
@@ -248,37 +250,135 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What init_distributed writes into os.environ outside torchrun (see make_mesh).
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _environ_restored(keys: tuple[str, ...] = _LAUNCH_VARS) -> Iterator[None]:
+    """Put ``keys`` of ``os.environ`` back as they were (set, changed or absent) on exit.
+
+    The process group keeps its store; the variables only told it where to rendezvous. Left
+    behind, they would make a child process started later rendezvous on this process's
+    port (and fail to bind it) or believe it is rank 0 of an existing job.
+    """
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _mesh_axes(axes: Any) -> dict[str, int]:
+    """``axes`` checked: a non-empty mapping of string names to positive int sizes."""
+    if not isinstance(axes, Mapping):
+        example = "{'dp': 2, 'tp': 2}"
+        if isinstance(axes, (list, tuple)) and axes and all(isinstance(a, str) for a in axes):
+            example = "{" + ", ".join(f"{a!r}: <size>" for a in axes) + "}"
+        raise TypeError(
+            f"make_mesh takes a dict {{axis name: size}}, got {axes!r} ({type(axes).__name__}). "
+            f"Give every axis its size, e.g. make_mesh({example})."
+        )
+    if not axes:
+        raise ValueError(
+            "make_mesh({}) has no axes; name at least one, e.g. make_mesh({'dp': world_size})."
+        )
+    out: dict[str, int] = {}
+    for name, size in axes.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"make_mesh({dict(axes)!r}): mesh axis names must be strings, but {name!r} is "
+                f"not ({type(name).__name__}). Name axes with strings, e.g. {{'dp': {size!r}}} "
+                f"(ff.Axis.DP, ff.Axis.TP, ... are strings too)."
+            )
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            value = operator.index(size)  # ints, numpy and 0-dim torch ints; never 1.7 -> 1
+        except TypeError:
+            raise TypeError(
+                f"make_mesh({dict(axes)!r}): mesh axis {name!r} has size {size!r} "
+                f"({type(size).__name__}); sizes must be integers, e.g. {{{name!r}: 2}}. "
+                f"A size is never rounded."
+            ) from None
+        if value < 1:
+            raise ValueError(
+                f"make_mesh({dict(axes)!r}): mesh axis sizes must be positive integers, but "
+                f"{name!r} has size {value}. Give every axis a size >= 1 (an axis of size 1 "
+                f"is allowed), with a product equal to the number of ranks."
+            )
+        out[str.__str__(name)] = value
+    return out
+
+
 def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> DeviceMesh:
     """A ``DeviceMesh`` with named axes over all ranks, e.g. ``make_mesh({"dp": 2, "tp": 2})``.
 
     Axes are ordered major to minor, like the dims of a row-major array of ranks. The device
     defaults to CUDA when present, else CPU. Calls :func:`init_distributed` if needed (with
-    the same device type).
+    the same device type). Outside ``torchrun`` it leaves ``os.environ`` as it found it: the
+    rendezvous variables of its single-process group are removed again, so that a process
+    started afterwards can set up its own.
 
     Raises:
-        ValueError: if the product of the axis sizes differs from the world size, or an axis
-            name repeats or is not a string.
+        TypeError: if ``axes`` is not a dict, an axis name is not a string, or a size is not
+            an integer (``1.7``, ``"two"``, ``True``).
+        ValueError: if there are no axes, a size is below 1, or the product of the sizes
+            differs from the world size.
 
     Example:
         >>> mesh = make_mesh({"dp": 1})  # doctest: +SKIP
         >>> mesh.mesh_dim_names  # doctest: +SKIP
         ('dp',)
+        >>> make_mesh({"dp": 1.7})
+        Traceback (most recent call last):
+        ...
+        TypeError: make_mesh({'dp': 1.7}): mesh axis 'dp' has size 1.7 (float); sizes must be integers, e.g. {'dp': 2}. A size is never rounded.
     """
-    names = tuple(str(a) for a in axes)
-    sizes = tuple(int(s) for s in axes.values())
-    if any(not isinstance(a, str) for a in axes):
-        raise ValueError(f"mesh axis names must be strings, got {tuple(axes)}")
-    if any(s < 1 for s in sizes):
-        raise ValueError(f"mesh axis sizes must be positive, got {dict(axes)}")
-    init_distributed(device_type=device_type)
+    sizes_by_name = _mesh_axes(axes)
+    names, sizes = tuple(sizes_by_name), tuple(sizes_by_name.values())
+    with _environ_restored():
+        init_distributed(device_type=device_type)
     world = dist.get_world_size()
     if math.prod(sizes) != world:
         raise ValueError(
-            f"make_mesh({dict(zip(names, sizes))}) needs {math.prod(sizes)} ranks, but the world "
+            f"make_mesh({sizes_by_name}) needs {math.prod(sizes)} ranks, but the world "
             f"size is {world}. Choose axis sizes whose product is {world}, or launch with "
             f"`torchrun --nproc-per-node {math.prod(sizes)}`."
         )
     return init_device_mesh(device_type or default_device_type(), sizes, mesh_dim_names=names)
+
+
+def check_mesh(mesh: Any, where: str) -> None:
+    """Raise a ``TypeError`` naming ``where`` if ``mesh`` is not a ``DeviceMesh``."""
+    if not isinstance(mesh, DeviceMesh):
+        from ..spec import P
+
+        swapped = " (the arguments look swapped)" if isinstance(mesh, P) else ""
+        raise TypeError(
+            f"{where} takes a DeviceMesh with named axes, got {mesh!r} "
+            f"({type(mesh).__name__}){swapped}. Build one with ff.make_mesh({{'dp': N}}) "
+            f"(or ff.simulated_mesh in a notebook)."
+        )
+
+
+def describe_mesh(mesh: DeviceMesh) -> str:
+    """``Mesh(dp=2) over ranks [1, 0]``: the sizes and the rank layout, for error messages.
+
+    Two meshes with the same sizes can hold the ranks in another order; the ranks tell them
+    apart.
+    """
+    with torch._C._DisableFuncTorch():
+        grid: Any = mesh.mesh
+        per_rank = getattr(grid, "_local_tensors", None)  # simulated: the same everywhere
+        if per_rank is not None:
+            grid = next(iter(per_rank.values()))
+        ranks = grid.tolist()
+    return f"{format_mesh(axis_sizes(mesh))} over ranks {ranks}"
 
 
 def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -305,13 +405,22 @@ def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
     """The size of one named axis.
 
+    Raises:
+        ValueError: if the mesh has no such axis (the message suggests the closest name).
+
     Example:
         >>> import functional_fsdp as ff
         >>> with ff.simulated_mesh({"dp": 2, "tp": 4}) as mesh:
         ...     ff.axis_size(mesh, "tp")
         4
     """
-    return axis_sizes(mesh)[axis]
+    sizes = axis_sizes(mesh)
+    if axis not in sizes:
+        raise ValueError(
+            f"axis_size: the mesh {format_mesh(sizes)} has no axis {axis!r}"
+            f"{did_you_mean(axis, sizes)}; name one of its axes {tuple(sizes)}."
+        )
+    return sizes[axis]
 
 
 def local_coordinate(mesh: DeviceMesh) -> dict[str, int]:

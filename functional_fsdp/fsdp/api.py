@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..dist.mesh import axis_names, axis_sizes
+from ..dist.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
 from ..sharded import Sharded
 from ..sharding import Specs, resolve_specs, shard
-from ..spec import P, format_mesh
+from ..spec import P, did_you_mean, format_mesh
 from . import runtime
 from .plan import Plan, make_plan
 from .policy import (
@@ -101,10 +101,14 @@ class FSDP:
     _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
     _sizes: dict[str, int] = field(init=False, repr=False)
     _other_plans: dict[tuple[P, ...], Plan] = field(init=False, repr=False)
+    _complex: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         sizes = axis_sizes(self.mesh)
         params = dict(self.module.named_parameters())
+        object.__setattr__(
+            self, "_complex", tuple(n for n, p in params.items() if p.dtype.is_complex)
+        )
         # resolve_specs follows optree's leaf order (sorted keys), not the dict's order.
         paths = optree.tree_paths(params, none_is_leaf=True)  # type: ignore[arg-type]
         resolved = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
@@ -141,7 +145,10 @@ class FSDP:
             ...     sorted(ff.fsdp(model, mesh).trainable)
             ['1.bias', '1.weight']
         """
-        return trainable_names(self.module, self.trainable_override)
+        names = trainable_names(self.module, self.trainable_override)
+        if self.trainable_override is not None:
+            _check_trainable_dtypes(self.module, names)
+        return names
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -222,6 +229,8 @@ class FSDP:
         policy = self.policy
         if id(self) in _UNSYNCED.get():
             policy = dataclasses.replace(policy, grad_reduce="none")
+        if self._complex and policy.grad_reduce != "none":
+            self._check_complex(params)
         return runtime.run(
             plan,
             self._modules,
@@ -257,14 +266,25 @@ class FSDP:
         for name, (shape, spec, dtype) in expected.items():
             v = params[name]
             if not isinstance(v, Sharded):
+                shape = f" of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else ""
                 raise TypeError(
-                    f"params[{name!r}] is a {type(v).__name__}; FSDP.apply takes Sharded values "
-                    f"(use FSDP.shard(), or ff.shard(params, mesh, P()) to replicate)."
+                    f"params[{name!r}] is a {type(v).__name__}{shape}, not a Sharded value; "
+                    f"FSDP.apply takes Sharded values (use FSDP.shard(), or "
+                    f"ff.shard(params, mesh, P()) to replicate)."
                 )
             if v.mesh is not self.mesh and v.mesh != self.mesh:
                 raise ValueError(
-                    f"params[{name!r}] lives on {format_mesh(axis_sizes(v.mesh))}, but this FSDP "
-                    f"runs on {format_mesh(self._sizes)}; reshard it onto the same mesh."
+                    f"params[{name!r}] lives on {describe_mesh(v.mesh)}, but this FSDP runs on "
+                    f"{describe_mesh(self.mesh)}. Shard the parameters on this FSDP's mesh "
+                    f"(FSDP.shard()); to move trained values to another mesh, save them and "
+                    f"load them into its layout: ff.checkpoint.load(path, sharded_model.shard())."
+                )
+            if v.local.is_meta:
+                raise ValueError(
+                    f"params[{name!r}] (shape {v.global_shape}, {v.spec.trimmed()}) is on the "
+                    f"meta device: it has no values. Create the parameters with "
+                    f"params, buffers = ff.init_sharded(sharded_model) (or FSDP.shard()), or "
+                    f"load them: ff.checkpoint.load_safetensors(sharded_model, path)."
                 )
             if v.global_shape != shape or v.dtype != dtype:
                 raise ValueError(
@@ -287,6 +307,36 @@ class FSDP:
             plan = self._make_plan(dict(zip(expected, key)))
             self._other_plans[key] = plan
         return plan
+
+    def _check_complex(self, params: dict[str, Sharded]) -> None:
+        """Complex gradients cannot be reduced: c10d's functional collectives (gloo, NCCL)
+        have no complex sum. Refuse before the backward reaches a collective."""
+        for name in self._complex:
+            local = params[name].local
+            if local.requires_grad:
+                raise TypeError(
+                    f"params[{name!r}] is complex ({local.dtype}, shape "
+                    f"{params[name].global_shape}) and is being differentiated, but its "
+                    f"gradient would be reduced over the data axes {self.data_axes} of "
+                    f"{format_mesh(self._sizes)}, and the collectives (gloo, NCCL) cannot sum "
+                    f"complex tensors. Store it as a real tensor with a trailing dim of 2 "
+                    f"(torch.view_as_real) and rebuild it in forward with torch.view_as_complex, "
+                    f"or freeze it."
+                )
+
+
+def _check_trainable_dtypes(module: nn.Module, names: Collection[str]) -> None:
+    """Integer and bool parameters have no gradients: they cannot be trainable."""
+    params = dict(module.named_parameters())
+    for name in sorted(names):
+        p = params.get(name)
+        if p is not None and not (p.dtype.is_floating_point or p.dtype.is_complex):
+            raise TypeError(
+                f"fsdp(trainable=...) selects {type(module).__name__}.{name} (shape "
+                f"{tuple(p.shape)}, {p.dtype}), but integer and bool parameters have no "
+                f"gradients and cannot be trained. Leave it out of trainable= (it stays frozen), "
+                f"or make it a buffer (module.register_buffer)."
+            )
 
 
 def to_host(params: dict[str, Sharded]) -> dict[str, Sharded]:
@@ -345,17 +395,24 @@ def fsdp(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"ff.fsdp takes an nn.Module, got {type(module).__name__}: pass the model itself, "
-            f"e.g. ff.fsdp(model, mesh)."
+            f"ff.fsdp takes an nn.Module, got {module!r:.60} ({type(module).__name__}): pass "
+            f"the model itself, e.g. ff.fsdp(model, mesh)."
         )
+    check_mesh(mesh, "ff.fsdp(module, mesh)")
     names = axis_names(mesh)
     if data_axes is None:
         data_axes = tuple(a for a in names if a != "tp")
+    elif isinstance(data_axes, str):
+        data_axes = (data_axes,)
     unknown = [a for a in data_axes if a not in names]
     if unknown:
         raise ValueError(
-            f"data_axes {tuple(data_axes)} name {unknown[0]!r}, which {format_mesh(axis_sizes(mesh))} lacks"
+            f"ff.fsdp(data_axes={tuple(data_axes)}): {unknown[0]!r} is not an axis of "
+            f"{format_mesh(axis_sizes(mesh))}{did_you_mean(unknown[0], names)}. Name the mesh "
+            f"axes that split the batch, some of {names}."
         )
+    if trainable is not None:
+        _check_trainable_dtypes(module, trainable_names(module, trainable))
     return FSDP(
         module=module,
         mesh=mesh,

@@ -134,8 +134,10 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(p, pat) for p, _ in named):
                 raise ValueError(
-                    f"unit pattern {pat!r} matches no submodule of {type(module).__name__}; "
-                    f"module paths look like {[p for p, _ in named[:6]]}"
+                    f"unit pattern {pat!r} matches no submodule of {type(module).__name__}"
+                    f"{_close_paths(pat, [p for p, _ in named])}; module paths look like "
+                    f"{[p for p, _ in named[:6]]}. Pass module paths or fnmatch patterns of "
+                    f"them (e.g. 'layers.*'), or a module type."
                 )
 
         def match(path: str, m: nn.Module) -> bool:
@@ -146,6 +148,16 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
         if match(path, m) and not any(path.startswith(c + ".") for c in chosen):
             chosen.append(path)
     return chosen
+
+
+def _close_paths(pattern: str, paths: list[str]) -> str:
+    """`` (close: ['blocks.*'])``: module paths, with indices as ``*``, close to ``pattern``."""
+    import difflib
+    import re
+
+    generic = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", p) for p in paths))
+    close = difflib.get_close_matches(pattern, generic, n=3, cutoff=0.5)
+    return f" (close: {close})" if close else ""
 
 
 def default_specs(mesh: DeviceMesh, data_axes: Sequence[str]) -> Callable[[str, torch.Tensor], P]:
