@@ -512,7 +512,7 @@ def init_sharded(
     buffers: dict[str, torch.Tensor] = {}
     try:
         for unit in order:
-            done: dict[str, torch.Tensor] = {}
+            done: list[tuple[str, torch.Tensor]] = []
             with _real_tensors():
                 live = replay.entries(unit)
                 for e in live:
@@ -534,10 +534,14 @@ def init_sharded(
                     if e.kind == "buffer":
                         buffers[e.key] = value
                     elif e.key in wanted:
-                        done[wanted[e.key]] = value
-            if done:
-                params.update(shard(done, sm.mesh, {k: specs[k] for k in done}))
-            del done
+                        done.append((wanted[e.key], value))
+                    del value
+            # One tensor at a time: its block is cut and the full tensor dropped before the
+            # next, so the unit's full tensors and its new shards never all coexist.
+            while done:
+                name, value = done.pop()
+                params[name] = shard(value, sm.mesh, specs[name])
+                del value
     finally:
         with _real_tensors():
             _set_rng_state(dry.states[-1], device)
