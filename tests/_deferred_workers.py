@@ -182,12 +182,12 @@ def big_gpt_cfg(n_embd: int = 512, n_layer: int = 12) -> GPTConfig:
 
 
 def big_llama_config() -> Any:
-    """An untied Llama of about 100 MiB: 8 layers of 10.8 MiB, embedding and head 16 MiB."""
+    """An untied Llama of 81 MiB: 6 layers of 10.8 MiB, embedding and head 16 MiB."""
     return tiny_llama_config(
         vocab_size=4096,
         hidden_size=512,
         intermediate_size=1408,
-        num_hidden_layers=8,
+        num_hidden_layers=6,
         num_attention_heads=8,
         num_key_value_heads=2,
         tie_word_embeddings=False,
@@ -195,7 +195,7 @@ def big_llama_config() -> Any:
 
 
 BIG: dict[str, tuple[Callable[[], nn.Module], Any]] = {
-    "gpt": (lambda: GPT(big_gpt_cfg(n_embd=512, n_layer=8)), GPT._init),
+    "gpt": (lambda: GPT(big_gpt_cfg(n_embd=512, n_layer=6)), GPT._init),
     "llama": (lambda: _llama_from(big_llama_config()), None),
 }
 

@@ -214,7 +214,7 @@ def lora_reference() -> tuple[torch.nn.Module, dict]:
 
 def memory_load_export(src: str, out: str) -> dict[str, int]:
     """Bytes allocated at the peak of a shard-wise load and of a streamed export (the shards it
-    reads included) of an untied ~100 MiB Llama on the meta device."""
+    reads included) of an untied 81 MiB Llama on the meta device."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):

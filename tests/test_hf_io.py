@@ -198,7 +198,7 @@ def test_lora_adapter_and_merged_export_match_peft(pools, tmp_path):
 
 @pytest.mark.multiprocess
 def test_allocated_peak_of_load_and_export_is_a_shard_plus_a_unit(pools, tmp_path):
-    """An untied ~100 MiB Llama saved by save_pretrained (3 files), loaded and exported on 2
+    """An untied 81 MiB Llama saved by save_pretrained (3 files), loaded and exported on 2
     ranks; a dispatch-mode tracker counts the bytes allocated. Each rank stays under
     Ψ/N + the largest unit + 15%, which a full copy (Ψ) would break."""
     from transformers import LlamaForCausalLM
