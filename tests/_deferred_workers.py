@@ -7,10 +7,8 @@ compares them with the eager model's, bitwise.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -150,81 +148,86 @@ def _reset_all(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- memory
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+def peak_allocated(fn: Callable[[], Any], held: Sequence[torch.Tensor] = ()) -> tuple[Any, int]:
+    """``fn()``, and the most bytes of CPU tensors alive at once while it ran: ``held`` (the
+    tensors the caller keeps throughout, e.g. the shards an export reads) plus every tensor
+    ``fn`` makes.
+
+    Measured with torch's ``MemTracker``, a dispatch mode that records every op's outputs by
+    storage and forgets a storage when it is freed: exact allocated bytes, unlike resident
+    memory, which the allocator and one-time imports blur.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*held)
+    with tracker:
+        out = fn()
+    peak = tracker.get_tracker_snapshot("peak").get(torch.device("cpu"), {})
+    return out, int(peak.get("Total", 0))
 
 
-def exact_rss() -> None:
-    """Make resident memory follow live tensors: large blocks are mmapped (returned to the
-    system when freed, never kept in the heap for reuse), and the heap is trimmed now."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, so it never grows
-    libc.mallopt(-1, 64 * 1024)  # M_TRIM_THRESHOLD
-    gc.collect()
-    libc.malloc_trim(0)
-
-
-def reset_peak_rss() -> None:
-    """Reset the process's peak resident set size (VmHWM) to its current size."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def model_bytes(sm: ff.FSDP) -> tuple[int, int]:
+    """Ψ (parameter bytes, tied ones once) and the largest unit's bytes (the root included)."""
+    sizes = {n: p.numel() * p.element_size() for n, p in sm.module.named_parameters()}
+    units = {u: 0 for u in ["", *sm.units]}
+    for name, nbytes in sizes.items():
+        owner = max((u for u in sm.units if name.startswith(u + ".")), key=len, default="")
+        units[owner] += nbytes
+    return sum(sizes.values()), max(units.values())
 
 
 def big_gpt_cfg(n_embd: int = 512, n_layer: int = 12) -> GPTConfig:
     return GPTConfig(n_layer=n_layer, vocab_size=128, n_embd=n_embd, n_head=8, block_size=64)
 
 
-def create_peak(how: str, cfg: GPTConfig) -> dict[str, int]:
-    """Per-rank peak RSS growth while creating the sharded GPT parameters.
+def big_llama_config() -> Any:
+    """An untied Llama of 81 MiB: 6 layers of 10.8 MiB, embedding and head 16 MiB."""
+    return tiny_llama_config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
 
-    ``how``: ``"ours"`` (``init_sharded`` on a meta model), ``"fsdp2"`` (torch FSDP2's
-    recipe: ``fully_shard`` on meta, ``to_empty``, then init) or ``"eager"`` (build the full
-    model, then shard it).
-    """
-    exact_rss()
+
+BIG: dict[str, tuple[Callable[[], nn.Module], Any]] = {
+    "gpt": (lambda: GPT(big_gpt_cfg(n_embd=512, n_layer=6)), GPT._init),
+    "llama": (lambda: _llama_from(big_llama_config()), None),
+}
+
+
+def _llama_from(config: Any) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(config)
+
+
+def create_allocated(kind: str, eager_too: bool = False) -> dict[str, int]:
+    """Bytes allocated at the peak of ``init_sharded`` on a meta model (and, optionally, of
+    building the model eagerly and sharding it, which the same tracker must see whole)."""
+    build, init_fn = BIG[kind]
     torch.manual_seed(0)
     with torch.device("meta"):
-        meta = GPT(cfg)
-    mesh = ff.make_mesh({"dp": dist.get_world_size()})
-    sm = ff.fsdp(meta, mesh)
-    psi = sum(p.numel() * p.element_size() for p in meta.parameters())
-    units = [sm.module.get_submodule(u) for u in sm.units]
-    largest = max(sum(p.numel() * p.element_size() for p in u.parameters()) for u in units)
+        meta = build()
+    sm = ff.fsdp(meta, ff.make_mesh({"dp": dist.get_world_size()}))
+    psi, largest = model_bytes(sm)
+    (params, _), peak = peak_allocated(lambda: init_sharded(sm, init_fn=init_fn))
+    out = {
+        "peak": peak,
+        "psi": psi,
+        "largest_unit": largest,
+        "held": sum(p.local.numel() * p.local.element_size() for p in params.values()),
+    }
+    del params
+    if eager_too:
+        mesh = sm.mesh
+        _, out["eager_peak"] = peak_allocated(lambda: ff.fsdp(build(), mesh).shard())
     dist.barrier()
-    exact_rss()
-    rss0 = _status("VmRSS")
-    reset_peak_rss()
-    if how == "ours":
-        params, _ = init_sharded(sm, init_fn=GPT._init)
-        held = sum(p.local.numel() * p.local.element_size() for p in params.values())
-    elif how == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        model = meta
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            _reset_all(model)
-            model.apply(GPT._init)
-        held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    elif how == "eager":
-        torch.manual_seed(0)
-        model = GPT(cfg)
-        params = ff.fsdp(model, mesh).shard()
-        del model
-        held = sum(p.local.numel() * p.local.element_size() for p in params.values())
-    else:
-        raise ValueError(how)
-    peak = _status("VmHWM") - rss0
-    dist.barrier()
-    return {"peak": peak, "psi": psi, "largest_unit": largest, "held": held}
+    return out
 
 
 # --------------------------------------------------------------------------- errors

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import ctypes
 
 import torch
 import torch.distributed as dist
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, lm_loss
 
+from ._deferred_workers import big_llama_config, model_bytes, peak_allocated
 from ._fsdp_workers import CFG
 from ._train_workers import LR, OPT, batches
 
@@ -211,45 +211,30 @@ def lora_reference() -> tuple[torch.nn.Module, dict]:
 
 # --------------------------------------------------------------------------- memory
 
-WIDTH, LAYERS = 1024, 32  # 32 units of 4.2 MB: Ψ = 134 MB
 
+def memory_load_export(src: str, out: str) -> dict[str, int]:
+    """Bytes allocated at the peak of a shard-wise load and of a streamed export (the shards it
+    reads included) of an untied 81 MiB Llama on the meta device."""
+    from transformers import LlamaForCausalLM
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _status("VmRSS")
-
-
-def memory_load_export(file: str, out: str) -> dict:
-    """Peak RSS growth of a shard-wise load and a streamed export, on a meta-device model."""
     with torch.device("meta"):
-        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+        model = LlamaForCausalLM(big_llama_config())
     sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    # glibc raises its mmap threshold as blocks are freed and then keeps freed blocks of a
-    # few MB in its heap (it always returns blocks over 32 MB): pin the threshold so that
-    # RSS follows live memory at this small scale.
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
-    warm = ff.shard(torch.zeros(4, 4), sm.mesh, ff.P("dp"))
-    ff.gather({"a": warm, "b": warm})  # the first collective's one-time setup is not ours
+    psi, largest_unit = model_bytes(sm)
+    params, load = peak_allocated(lambda: ff.checkpoint.load_safetensors(sm, src))
+    shards = [v.local for v in params.values()]
+    _, export = peak_allocated(
+        lambda p=params: ff.checkpoint.export_safetensors(sm, p, out), held=shards
+    )
     dist.barrier()
-    base = _reset_peak()
-    params = ff.checkpoint.load_safetensors(sm, file)
-    load_peak = _status("VmHWM") - base
-    dist.barrier()
-    _reset_peak()
-    ff.checkpoint.export_safetensors(sm, params, out)
-    export_peak = _status("VmHWM") - base
-    shards = sum(v.local.numel() * v.local.element_size() for v in params.values())
-    del params
-    return {"load": load_peak, "export": export_peak, "shards": shards}
+    return {
+        "load": load,
+        "export": export,
+        "shards": sum(t.numel() * t.element_size() for t in shards),
+        "psi": psi,
+        "largest_unit": largest_unit,
+        "largest_tensor": max(p.numel() * 4 for p in model.parameters()),
+    }
 
 
 def load_linear_error(folder: str) -> str:

@@ -1,9 +1,10 @@
 """Export sharded parameters as a plain checkpoint that ``from_pretrained`` loads.
 
-:func:`export_safetensors` streams: it gathers one unit at a time (``ff.gather`` of that
-unit's parameters, a collective every rank joins), and the writing rank appends the unit's
-bytes to a safetensors file whose header it wrote first (the shapes are known up front). So no
-rank ever holds more than its shards plus one unit, however large the file. Files, index and
+:func:`export_safetensors` streams: it walks the units in order and gathers a few tensors at
+a time (``ff.gather``, a collective every rank joins: a large tensor alone, small neighbours of
+one unit together), and the writing rank appends their bytes to a safetensors file whose
+header it wrote first (the shapes are known up front). So no rank ever holds more than its
+shards plus about the largest tensor, however large the file. Files, index and
 ``config.json`` follow ``save_pretrained``'s layout; each is written under a temporary name
 and renamed, so a reader never sees half a file.
 
@@ -150,14 +151,34 @@ def _plan_files(outs: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     return files
 
 
-def _runs(outs: list[OutTensor]) -> list[list[OutTensor]]:
-    runs: list[list[OutTensor]] = []
+def _gather_groups(outs: list[OutTensor]) -> list[list[OutTensor]]:
+    """Consecutive tensors of one unit that are gathered with one collective.
+
+    A tensor of at least a quarter of the largest tensor's bytes is gathered alone: one
+    tensor's gather returns a view of the collective's output, so it costs its own bytes.
+    Smaller ones are gathered together up to that size (their outputs are copies out of the
+    collective's buffer: about 2.5 times the group's bytes). Either way a rank holds at most
+    about the largest tensor beyond its shards, not a whole unit.
+    """
+    budget = max((o.nbytes for o in outs), default=0) // 4
+    groups: list[list[OutTensor]] = []
+    size = 0
     for out in outs:
-        if runs and runs[-1][-1].unit == out.unit:
-            runs[-1].append(out)
+        alone = out.nbytes >= budget
+        joins = (
+            groups
+            and not alone
+            and groups[-1][-1].unit == out.unit
+            and groups[-1][-1].nbytes < budget
+            and size + out.nbytes <= budget
+        )
+        if joins:
+            groups[-1].append(out)
+            size += out.nbytes
         else:
-            runs.append([out])
-    return runs
+            groups.append([out])
+            size = out.nbytes
+    return groups
 
 
 class _Writer:
@@ -203,6 +224,22 @@ class _Writer:
             os.remove(self.tmp)
 
 
+def _write_group(
+    params: Mapping[str, Sharded], group: list[OutTensor], writer: _Writer, what: str
+) -> None:
+    """Gather what ``group`` needs (every rank), compute its tensors and write them."""
+    needs = list(dict.fromkeys(k for out in group for k in out.needs))
+    gathered = gather({k: params[k] for k in needs}) if needs else {}
+    for out in group:
+        value = first_value(out.make(gathered)).detach().to("cpu", out.dtype)
+        if tuple(value.shape) != out.shape:
+            raise ValueError(
+                f"{what}: {out.key!r} came out with shape {tuple(value.shape)}, but "
+                f"{out.shape} was planned; this is a bug in the export's recipe."
+            )
+        writer.run(lambda v=value: writer.write(v))
+
+
 def _agree(mesh: Any, failed: bool) -> bool:
     """Whether any rank failed (a tiny all-reduce; also keeps ranks from returning early)."""
     if is_simulated():
@@ -223,7 +260,7 @@ def write_streamed(
     what: str,
     extra: Callable[[str], None] | None = None,
 ) -> None:
-    """Write ``outs`` as safetensors shards (+ index) under ``path``, one gather per run."""
+    """Write ``outs`` as safetensors shards (+ index) under ``path``, a few tensors per gather."""
     max_bytes = parse_size(max_shard_size)
     files = _plan_files(outs, max_bytes)
     n = len(files)
@@ -237,18 +274,8 @@ def write_streamed(
     for name, file_outs in zip(names, files):
         target = os.path.join(path, name)
         writer.run(lambda t=target, o=file_outs: writer.open(t, _header(o)))
-        for run in _runs(file_outs):
-            needs = list(dict.fromkeys(k for out in run for k in out.needs))
-            gathered = gather({k: params[k] for k in needs}) if needs else {}
-            for out in run:
-                value = first_value(out.make(gathered)).detach().to("cpu", out.dtype)
-                if tuple(value.shape) != out.shape:
-                    raise ValueError(
-                        f"{what}: {out.key!r} came out with shape {tuple(value.shape)}, but "
-                        f"{out.shape} was planned; this is a bug in the export's recipe."
-                    )
-                writer.run(lambda v=value: writer.write(v))
-            del gathered
+        for group in _gather_groups(file_outs):
+            _write_group(params, group, writer, what)  # its tensors are freed on return
         writer.run(lambda t=target: writer.close(t))
 
     def finish() -> None:
@@ -320,7 +347,7 @@ def export_safetensors(
     buffers: Mapping[str, torch.Tensor] | None = None,
     max_shard_size: int | str = "50GB",
 ) -> None:
-    """Write ``params`` as a plain safetensors checkpoint, gathering one unit at a time.
+    """Write ``params`` as a plain safetensors checkpoint, gathering a few tensors at a time.
 
     The directory looks like ``save_pretrained``'s: ``model.safetensors`` (or
     ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json`` when the
@@ -330,7 +357,7 @@ def export_safetensors(
     ``from_pretrained`` ties it again. Persistent buffers are written too.
 
     A collective call: every rank calls it; the first rank of the mesh writes. Peak memory per
-    rank is its shards plus one unit. Files appear atomically (written under a temporary name,
+    rank is its shards plus about the largest tensor (never a whole unit). Files appear atomically (written under a temporary name,
     then renamed); shard files of an earlier export that this one does not use are removed.
 
     Args:

@@ -20,6 +20,11 @@ before parents, and draws from one random stream; this module replays that seque
 Every rank runs both sweeps in full with the same seed, so the stream is consumed identically
 everywhere and the result never depends on the mesh. Afterwards the generator is left where
 eager construction leaves it.
+
+Memory: each sweep holds one unit's full tensors at a time (the dry sweep frees a unit before
+materialising the next), and the replay cuts each tensor's block as soon as its unit is done
+and drops the full tensor, so the peak per rank is the shards so far plus the largest unit.
+The second sweep costs compute (about twice an eager construction's), not memory.
 """
 
 from __future__ import annotations
@@ -446,8 +451,9 @@ def init_sharded(
     Generator states are replayed per step, so the generator is left where eager
     construction leaves it (on a simulated mesh, draws come from the process's generator).
     Every rank runs the whole initialisation twice (about twice an eager construction's
-    compute), which is what makes the values independent of the mesh. Init code may write a module's own tensors and those of its
-    submodules in the same unit; writing another unit's tensor raises.
+    compute, but one unit's memory at a time), which is what makes the values independent of
+    the mesh. Init code may write a module's own tensors and those of its submodules in the
+    same unit; writing another unit's tensor raises.
 
     Buffers come back full (never sharded): persistent ones such as running statistics and
     non-persistent ones computed in ``__init__`` (an HF rotary ``inv_freq`` is recomputed by
@@ -512,7 +518,7 @@ def init_sharded(
     buffers: dict[str, torch.Tensor] = {}
     try:
         for unit in order:
-            done: dict[str, torch.Tensor] = {}
+            done: list[tuple[str, torch.Tensor]] = []
             with _real_tensors():
                 live = replay.entries(unit)
                 for e in live:
@@ -534,10 +540,14 @@ def init_sharded(
                     if e.kind == "buffer":
                         buffers[e.key] = value
                     elif e.key in wanted:
-                        done[wanted[e.key]] = value
-            if done:
-                params.update(shard(done, sm.mesh, {k: specs[k] for k in done}))
-            del done
+                        done.append((wanted[e.key], value))
+                    del value
+            # One tensor at a time: its block is cut and the full tensor dropped before the
+            # next, so the unit's full tensors and its new shards never all coexist.
+            while done:
+                name, value = done.pop()
+                params[name] = shard(value, sm.mesh, specs[name])
+                del value
     finally:
         with _real_tensors():
             _set_rng_state(dry.states[-1], device)
