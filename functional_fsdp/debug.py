@@ -242,9 +242,9 @@ def _table(grid: _Grid, path: str) -> Any:
     for col in grid.cols:
         table.add_column(col, justify="center", no_wrap=True)
     for header, line in zip(grid.rows, grid.cells):
-        row = [header]
+        row: list[Any] = [header]
         for cell in line:
-            row.append("…" if cell is None else f"[black on {cell.color}] {cell.text} [/]")
+            row.append("…" if cell is None else Text(f" {cell.text} ", f"black on {cell.color}"))
         table.add_row(*row)
     return [title, table, *(Text(n, style="dim") for n in grid.notes)]
 
@@ -271,7 +271,8 @@ def _print(renderable: Any, console: Any) -> None:
     if console is None:
         console = Console()
         if not console.is_terminal or console.is_jupyter:
-            need = Measurement.get(console, console.options, renderable).maximum
+            options = console.options.update(max_width=100_000)
+            need = Measurement.get(console, options, renderable).maximum
             console.width = max(console.width, need)
     console.print(renderable)
 
