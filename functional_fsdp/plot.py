@@ -129,6 +129,9 @@ def plot_losses(
         ys = [_float(v) for v in losses]
         style, marker = _STYLES[i % len(_STYLES)]
         ax.plot(range(1, len(ys) + 1), ys, linestyle=style, marker=marker, label=str(name))
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     if logy:
@@ -374,4 +377,6 @@ def _finish(ax: Any, xs: list[int], labels: list[str], measured: bool) -> None:
     if measured:
         hatch = Patch(facecolor="white", edgecolor="black", hatch="//", label="measured")
         handles.append(hatch)
-    ax.legend(handles=handles, fontsize="small")
+    # beside the bars, not over them; headroom above the tallest bar for its label
+    ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.08)
