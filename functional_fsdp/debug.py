@@ -172,6 +172,8 @@ def _grid(value: Sharded) -> _Grid:
             coords = owners.get(r + c, []) if r is not None and c is not None else None
             if coords is None:
                 line.append(None)
+            elif not coords:  # no coordinate holds this combination of blocks
+                line.append(_Cell("", "#ffffff"))
             elif not used:
                 line.append(_Cell(f"all {len(coords)}", REPLICATED))
             else:
@@ -199,7 +201,9 @@ def _grid(value: Sharded) -> _Grid:
         if any(s.stop == s.start for s in layout.owned({**dict.fromkeys(names, 0), **c})[0])
     ]
     if empty:
-        notes.append(f"only padding on {', '.join(empty)} (a block of {local} zeros)")
+        shown = ", ".join(empty) if len(empty) <= 8 else ", ".join([*empty[:4], "…", *empty[-2:]])
+        count = f"{len(empty)} coordinates, " if len(empty) > 8 else ""
+        notes.append(f"only padding on {shown} ({count}a block of {local} zeros)")
     return _Grid(title, "dim 0" if ndim >= 2 else "", rows, cols, cells, notes)
 
 
@@ -316,9 +320,9 @@ def visualize(tree: Any, *, console: Any = None, legend: bool = True) -> None:
 
     leaves = _sharded_leaves(tree, "visualize")
     parts: list[Any] = []
-    sizes = axis_sizes(leaves[0][1].mesh)
-    if legend and math.prod(sizes.values()) <= 64:
-        parts.append(_legend(sizes))
+    if legend:
+        meshes = {tuple(axis_sizes(v.mesh).items()): None for _, v in leaves}
+        parts += [_legend(dict(m)) for m in meshes if math.prod(s for _, s in m) <= 64]
     for path, value in leaves:
         parts += _table(_grid(value), path)
     _print(Group(*parts), console)

@@ -127,7 +127,7 @@ def check_cells(text: str, full: torch.Tensor, locals_: list[torch.Tensor], size
                 assert local.shape[dim] - (b - a) == pad, (label, dim, text)
                 assert not local.narrow(dim, b - a, pad).any()
             seen.add(rank_of(coord, sizes))
-    note = re.search(r"only padding on (.*) \(a block", text)
+    note = re.search(r"only padding on (.*) \((?:\d+ coordinates, )?a block", text)
     if note:
         for label in note[1].split(", "):
             for coord in coords_of(label, sizes):
@@ -235,6 +235,8 @@ def test_visualize_a_tree_one_block_per_leaf_in_tree_order_with_consistent_colou
 def test_visualize_elides_long_rows_and_needs_a_sharded_value():
     with ff.simulated_mesh({"dp": 18}) as mesh:
         text = text_of(ff.visualize, ff.shard(torch.ones(36), mesh, ff.P("dp")), legend=False)
+        tiny = text_of(ff.visualize, ff.shard(torch.ones(3), mesh, ff.P("dp")), legend=False)
+    assert "only padding on dp3, dp4, dp5, dp6, …, dp16, dp17 (15 coordinates, a block" in tiny
     grid = parse_grid(text)
     assert len(grid) == 17 and "…" in text  # 8 first, an ellipsis, 8 last
     assert grid[((), ((34, 36, 0),))] == "dp17" and grid[((), ((14, 16, 0),))] == "dp7"
