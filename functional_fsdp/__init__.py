@@ -83,6 +83,9 @@ from .planner import Comparison as Comparison
 from .planner import PlanReport as PlanReport
 from .planner import compare_strategies as compare_strategies
 from .planner import plan as plan
+from .plot import plot_comms as plot_comms
+from .plot import plot_losses as plot_losses
+from .plot import plot_memory as plot_memory
 from .sharded import Sharded as Sharded
 from .sharding import gather as gather
 from .sharding import reshard as reshard
@@ -194,6 +197,9 @@ __all__ = [
     "masked",
     "partition",
     "plan",
+    "plot_comms",
+    "plot_losses",
+    "plot_memory",
     "rank_device",
     "rank_values",
     "reduce_from",

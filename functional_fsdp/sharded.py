@@ -125,6 +125,14 @@ class Sharded:
             f"local={local_str})"
         )
 
+    def _repr_html_(self) -> str:
+        """The layout as a small HTML table (Jupyter shows it): which mesh coordinate owns
+        which block, with padding, as :func:`functional_fsdp.visualize` draws it. Reads only
+        the layout: no process group, no communication."""
+        from .debug import to_html
+
+        return to_html(self)
+
     def to_dtensor(self) -> torch.distributed.tensor.DTensor:
         """Convert to a ``DTensor`` (lossless; padding is dropped).
 
