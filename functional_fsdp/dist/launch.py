@@ -95,7 +95,8 @@ def _sync_output(seq: int) -> None:
     for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
-        os.write(fd, (_MARK.format(seq) + "\n").encode())
+        with contextlib.suppress(OSError):
+            os.write(fd, (_MARK.format(seq) + "\n").encode())
 
 
 def _worker_main(conn: Connection, config: dict[str, Any]) -> None:
@@ -159,10 +160,12 @@ def _error_hint(e: BaseException, stage: str, timeout: float | None = None) -> s
         )
     text = str(e)
     if stage == "run" and "Timed out" in text:
+        limit = "torch's default" if timeout is None else f"{timeout:g} seconds"
         return (
-            f"A collective waited longer than ProcessPool(collective_timeout={timeout}) "
-            f"seconds: another rank skipped it, called a different one, or is much slower. "
-            f"Make every rank issue the same collectives, or raise collective_timeout."
+            f"A collective waited longer than the collective timeout ({limit}, "
+            f"ProcessPool(collective_timeout=...)): another rank skipped it, called a "
+            f"different one, or is much slower. Make every rank issue the same collectives, "
+            f"or raise collective_timeout."
         )
     if stage == "run" and ("Connection reset by peer" in text or "Connection closed" in text):
         return (
@@ -193,6 +196,7 @@ class _Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=(child.fileno(),),
+            start_new_session=True,  # Ctrl-C reaches the caller, which stops the workers
         )
         child.close()
         self.conn = Connection(parent.detach())
