@@ -293,12 +293,9 @@ def load_dcp_state_dict(
         path: the checkpoint directory (it holds ``.metadata``).
         rename: maps the module's parameter names to the checkpoint's keys (function or dict).
         dtype: the dtype of floating parameters (default: the module parameter's dtype).
-        names: read only these parameters (default: all), e.g. the frozen base of a LoRA
-            model whose adapters are not in the checkpoint; combine the result with the
-            others (``{**initialised, **loaded}``).
 
     Returns:
-        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()`` (those in ``names``).
+        ``{name: Sharded}`` with the keys and layouts of ``sm.shard()``.
 
     Raises:
         ValueError: the path is not a DCP checkpoint; a key is missing or has another shape.

@@ -107,8 +107,12 @@ def compare_strategies(
         tp_plan: the tensor-parallel plan for ``"fsdp+tp"``.
         tp: tensor-parallel size for ``"fsdp+tp"``.
         hsdp_shard: size of the sharding axis for ``"hsdp"`` (e.g. GPUs per node).
-        units, mixed_precision, checkpoint, prefetch: the policy shared by all strategies.
-        optimizer, loss_fn: as for :func:`plan`.
+        units: the units, shared by all strategies.
+        mixed_precision: the policy's mixed precision, shared by all strategies.
+        checkpoint: the policy's activation checkpointing, shared by all strategies.
+        prefetch: the policy's prefetch depth, shared by all strategies.
+        optimizer: as for :func:`plan`.
+        loss_fn: as for :func:`plan`.
 
     Raises:
         ValueError: an unknown strategy, or a size that does not divide ``world_size``.

@@ -420,7 +420,11 @@ def plan(
         batch: the global batch: a shape of token ids (``(batch, seq)``), a tensor, a tuple
             of positional inputs or a dict of keyword inputs (values on ``meta`` are fine).
             Dim 0 is split over the data axes. ``None``: no activation figures.
-        specs, units, policy, data_axes, trainable: as for :func:`functional_fsdp.fsdp`.
+        specs: as for :func:`functional_fsdp.fsdp`.
+        units: as for :func:`functional_fsdp.fsdp`.
+        policy: as for :func:`functional_fsdp.fsdp`.
+        data_axes: as for :func:`functional_fsdp.fsdp`.
+        trainable: as for :func:`functional_fsdp.fsdp`.
         tp_plan: a tensor-parallel plan (``{pattern: Style}``) over ``tp_axis``; the specs are
             then those of :func:`functional_fsdp.tensor_parallel` unless ``specs`` is given.
         optimizer: a ``GradientTransformation``, ``"adamw"``, ``"adam"``, ``"sgd"``,
