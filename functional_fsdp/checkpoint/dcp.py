@@ -78,8 +78,9 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
     leaves the previous checkpoint at ``path`` loadable.
 
     Raises:
-        CheckpointError: the directory cannot be written (read-only, full, ...), on every
-            rank; the previous checkpoint at ``path`` is untouched.
+        CheckpointError: the directory cannot be written (read-only, full, ...), or ``path``
+            holds a file or other files that a save would replace; on every rank, and the
+            previous checkpoint at ``path`` is untouched.
 
     Example:
         >>> ff.checkpoint.save("ckpt/step_100", state)  # doctest: +SKIP
@@ -104,8 +105,8 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
     Raises:
         CheckpointError: the checkpoint is missing, incomplete (its save was killed) or
             corrupt (truncated, bytes changed).
-        ValueError: if a key of ``like`` is missing from the checkpoint or has another
-            global shape there.
+        ValueError: if keys of ``like`` are missing from the checkpoint or have another
+            global shape there (the message lists them).
 
     Example:
         >>> template = ff.TrainState.create(new_model.shard(), optimizer)  # doctest: +SKIP
