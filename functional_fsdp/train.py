@@ -140,9 +140,10 @@ class TrainState:
 
     def _alive(self) -> None:
         if self._donated_at is not None:
+            at = self._donated_at
             raise DonatedStateError(
                 f"this TrainState was donated to a train_step(donate=True) call at step "
-                f"{self._donated_at}: its buffers now hold the next state (or part of it, if "
+                f"{int(at) if isinstance(at, torch.Tensor) else at}: its buffers now hold the next state (or part of it, if "
                 f"that call raised during the update). Use the state that call returned, or "
                 f"build the step with donate=False to keep old states."
             )
@@ -168,7 +169,10 @@ class TrainState:
 
     def __repr__(self) -> str:
         if self._donated_at is not None:
-            return f"TrainState(<donated at step {self._donated_at}>)"
+            at = self._donated_at
+            return (
+                f"TrainState(<donated at step {int(at) if isinstance(at, torch.Tensor) else at}>)"
+            )
         n = sum(
             leaf.numel() for leaf in tree_leaves(self._params) if isinstance(leaf, torch.Tensor)
         )

@@ -89,6 +89,23 @@ def test_counts_and_schedules_as_tensors_match_python_ints_bitwise():
     assert ff.learning_rate_of(opt, tensors).item() == ff.learning_rate_of(opt, ints)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_apply_if_finite_state_round_trips_through_a_checkpoint(tmp_path):
+    opt = ff.apply_if_finite(ff.adamw(ff.linear_schedule(1e-2, 0.0, 5)), 2)
+    step = ff.train_step(lambda p, b: (p["w"] * b).sum(), opt, batch="local")
+    state, _ = step(ff.TrainState.create({"w": torch.randn(3, 2)}, opt), torch.randn(3, 2))
+    state, m = step(state, torch.full((3, 2), float("nan")))
+    assert bool(m["skipped"]) and int(m["nonfinite_steps"]) == 1
+    ff.checkpoint.save(tmp_path / "ckpt", state)
+    loaded = ff.checkpoint.load(
+        tmp_path / "ckpt", ff.TrainState.create({"w": torch.zeros(3, 2)}, opt)
+    )
+    assert loaded.step == 2 and int(loaded.opt_state.total_notfinite) == 1
+    for a, b in zip(ff.tree_leaves(loaded), ff.tree_leaves(state), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert int(loaded.opt_state.inner_state[0].count) == 1  # the skipped step did not count
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "donate"), [("mlp", False), ("llama", True)])
 def test_skip_nonfinite_steps_on_gloo(pools, kind, donate):
@@ -100,8 +117,9 @@ def test_skip_nonfinite_steps_on_gloo(pools, kind, donate):
     _check_skips(r0)
 
 
-def test_skip_nonfinite_steps_on_a_simulated_mesh():
-    _check_skips(W.skip_nonfinite("mlp", donate=True, simulated=True))
+@pytest.mark.parametrize("donate", [False, True])
+def test_skip_nonfinite_steps_on_a_simulated_mesh(donate):
+    _check_skips(W.skip_nonfinite("mlp", donate=donate, simulated=True))
 
 
 def _check_skips(r: dict) -> None:

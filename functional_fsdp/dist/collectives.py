@@ -191,7 +191,9 @@ class CollectiveError(dist.DistError):
     the buffer's shape and dtype, and this rank, then says what usually causes it (another
     rank raised, skipped a collective or died) and how to change the timeout. The backend's
     own error is chained as ``__cause__``. A ``torch.distributed.DistError``, so code that
-    catches torch's distributed errors catches it too.
+    catches torch's distributed errors catches it too. Raised where the backend reports the
+    failure to the waiting rank: always on gloo; on NCCL torch's watchdog ends the process
+    instead, unless ``TORCH_NCCL_BLOCKING_WAIT=1``.
 
     Example:
         >>> raise CollectiveError("all_gather over mesh axis 'dp' ... failed")

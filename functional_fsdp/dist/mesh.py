@@ -181,10 +181,13 @@ def init_distributed(
     healthy ranks reach each collective of a step milliseconds apart, so a wait only grows
     long when one rank does extra work outside the step (saving a checkpoint, evaluating,
     loading data) while the others are already waiting, and 10 minutes covers that. A rank
-    that dies or raises under ``torchrun`` ends the job within seconds whatever the timeout
-    (its peers see the connection close); the timeout bounds the rarer hang, where a rank
-    stays alive but skips a collective, at minutes instead of gloo's 30-minute default.
-    Shorten it for interactive work and tests, lengthen it for slow checkpoints.
+    that dies or raises ends the job within seconds whatever the timeout (``torchrun`` stops
+    the other workers, and on gloo they also see the connection close at once); the timeout
+    bounds the rarer hang, where a rank stays alive but skips a collective (a notebook, a
+    caught exception, a branch on the rank), at minutes instead of gloo's 30-minute default.
+    Shorten it for interactive work and tests, lengthen it for slow checkpoints. On NCCL,
+    torch's watchdog ends a process whose collective timed out (the library's named error
+    needs ``TORCH_NCCL_BLOCKING_WAIT=1``).
 
     Args:
         backend: the c10d backend; ``None`` means NCCL on CUDA (gloo when oversubscribing)
