@@ -17,8 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
 from .dist import collectives as C
-from .dist.mesh import axis_names, axis_sizes, local_coordinate
-from .dist.simulate import is_simulated, on_rank, per_coordinate, rank_values
+from .dist.mesh import axis_names, axis_sizes, local_coordinate, rank_at
+from .dist.simulate import (
+    check_alive,
+    is_shapes_only,
+    is_simulated,
+    on_rank,
+    per_coordinate,
+    rank_values,
+)
 from .sharded import Sharded, block_of, local_shape_problem
 from .spec import Layout, P, format_mesh, gather_schedule, spec_problem
 
@@ -169,6 +176,8 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
         (torch.Size([3, 3]), 7)
     """
     paths, leaves, treedef = _flatten(tree)
+    check_alive(mesh, "shard()")
+    shapes_only = is_shapes_only(mesh)
     out = []
     for path, leaf, spec in zip(paths, leaves, resolve_specs(tree, specs)):
         if isinstance(leaf, Sharded):
@@ -180,10 +189,15 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
             out.append(leaf)
             continue
         layout = _checked_layout(path, leaf.shape, spec, mesh)
+        if shapes_only:  # no values: this rank's block as a meta tensor
+            local = torch.empty(layout.local_shape, dtype=leaf.dtype, device="meta")
+            out.append(Sharded(local, layout.global_shape, spec, mesh))
+            continue
         _check_same_on_every_rank(path, leaf)
         with torch.no_grad():
+            full = leaf.detach()
             local = per_coordinate(
-                mesh, lambda c, t=leaf, lay=layout: block_of(_on_coord(t, mesh, c), lay, c)
+                mesh, lambda c, t=full, lay=layout: block_of(on_rank(t, rank_at(mesh, c)), lay, c)
             )
         out.append(Sharded(local, layout.global_shape, spec, mesh))
     return optree.tree_unflatten(treedef, out)
@@ -204,11 +218,6 @@ def _check_same_on_every_rank(path: tuple[Any, ...], t: torch.Tensor) -> None:
             f"outside simulated_mesh(), or with torch.manual_seed instead of an explicit "
             f"torch.Generator (simulated ranks draw from a generator in turn)."
         )
-
-
-def _on_coord(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
-    rank = int(mesh.mesh[tuple(coord[a] for a in axis_names(mesh))])
-    return on_rank(t.detach(), rank)
 
 
 # --------------------------------------------------------------------------- bucketed gather
