@@ -349,6 +349,7 @@ def _gather_values(
 
 def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
     """All values on one mesh, each with a local block of its layout's shape."""
+    check_alive(values[0].mesh, f"{what}()")
     for path, v in zip(paths, values):
         problem = local_shape_problem(tuple(v.local.shape), v.global_shape, v.spec, v.mesh)
         if problem:

@@ -45,6 +45,13 @@ _METADATA = frozenset(
         aten.is_contiguous.memory_format,
     }
 )
+# The tensor methods that answer those queries on a plain tensor, without the dispatcher.
+_QUERIES = {
+    aten.sym_stride.default: lambda t: list(t.stride()),  # a list, as the op returns
+    aten.sym_storage_offset.default: torch.Tensor.storage_offset,
+    aten.sym_numel.default: torch.Tensor.numel,
+    aten.is_contiguous.default: torch.Tensor.is_contiguous,
+}
 # Ops LocalTensorMode treats specially: always left to it.
 _GENERIC = frozenset({aten.split.Tensor, aten.hash_tensor.default})
 
@@ -115,15 +122,82 @@ def _on_rank(x: Any, r: int) -> Any:
 def _split(values: Any, ranks: list[int]) -> list[list[Any]]:
     """``values`` (a sequence) once per rank, each per-rank tensor replaced by its part."""
     rows = [list(values) for _ in ranks]
-    for i, v in enumerate(values):
-        if isinstance(v, LocalTensor):
-            parts = v._local_tensors
-            for row, r in zip(rows, ranks):
-                row[i] = parts[r]
-        elif isinstance(v, (list, tuple)) and _kind(v) == 1:
-            for row, r in zip(rows, ranks):
-                row[i] = _on_rank(v, r)
+    try:
+        for i, v in enumerate(values):
+            if isinstance(v, LocalTensor):
+                parts = v._local_tensors
+                for row, r in zip(rows, ranks):
+                    row[i] = parts[r]
+            elif isinstance(v, (list, tuple)) and _kind(v) == 1:
+                for row, r in zip(rows, ranks):
+                    row[i] = _on_rank(v, r)
+    except KeyError as e:
+        raise ValueError(
+            f"a value with one tensor per rank holds no tensor for rank {e.args[0]} of this "
+            f"{len(ranks)}-rank simulation: it was made in another simulation, which has "
+            f"ended. Values live only as long as their simulation: keep the mesh alive with "
+            f"`mesh = ff.simulated_mesh(..., persistent=True)`, or create and use the values "
+            f"inside one `with ff.simulated_mesh(...) as mesh:` block."
+        ) from None
     return rows
+
+
+def _wrap(ranks: list[int], parts: list[Any]) -> Any:
+    """Per-rank results as one value, as ``LocalTensor``'s own combination gives it.
+
+    Tensors of one shape, stride and kind on every rank (nearly all) are wrapped directly:
+    ``LocalTensor(...)`` works out the wrapper's metadata in Python, dim by dim and rank by
+    rank, which costs more than the op itself for small tensors.
+    """
+    first = parts[0]
+    if isinstance(first, (list, tuple)):  # several outputs (foreach ops, layer norm, ...)
+        n = len(first)
+        if all(len(p) == n for p in parts):
+            return type(first)(_wrap_one(ranks, [p[i] for p in parts]) for i in range(n))
+        return lt._combine_rank_results(dict(zip(ranks, parts)), None)
+    return (
+        _wrap_one(ranks, parts)
+        if isinstance(first, torch.Tensor)
+        else (lt._combine_rank_results(dict(zip(ranks, parts)), None))
+    )
+
+
+def _wrap_one(ranks: list[int], parts: list[Any]) -> Any:
+    first = parts[0]
+    if type(first) is torch.Tensor and not first.requires_grad:
+        shape, stride = first.shape, first.stride()
+        dtype, layout, conj, neg = first.dtype, first.layout, first.is_conj(), first.is_neg()
+        for t in parts[1:]:
+            if (
+                type(t) is not torch.Tensor
+                or t.shape != shape
+                or t.stride() != stride
+                or t.dtype != dtype
+                or t.layout != layout
+                or t.is_conj() != conj
+                or t.is_neg() != neg
+                or t.requires_grad
+            ):
+                break
+        else:
+            size = list(shape)
+            out = torch.Tensor._make_wrapper_subclass(
+                LocalTensor,
+                size,
+                strides=list(stride),
+                dtype=dtype,
+                device=first.device,
+                layout=layout,
+                dispatch_sizes_strides_policy="sizes",
+                requires_grad=False,
+                _extra_dispatch_keys=lt._get_extra_dispatch_keys(first),
+            )
+            torch._C._set_throw_on_mutable_data_ptr(out)
+            out._local_tensors = dict(zip(ranks, parts))
+            out._ranks = frozenset(ranks)
+            out._size = size
+            return out
+    return lt._combine_any_rank_results(dict(zip(ranks, parts)))
 
 
 def _same(values: list[Any]) -> Any:
@@ -168,8 +242,12 @@ class SimulationMode(lt.LocalTensorMode):  # type: ignore[misc]
             fresh = self._fresh
             if fresh is not None and args[0] is fresh[0] and func in fresh[1]:
                 return fresh[1][func]
-            rank_args = _split(args, ranks)
-            results = [func(*a) for a in rank_args]
+            query = _QUERIES.get(func)
+            if query is not None and len(args) == 1 and isinstance(args[0], LocalTensor):
+                parts = args[0]._local_tensors
+                results = [query(parts[r]) for r in ranks]
+            else:
+                results = [func(*a) for a in _split(args, ranks)]
             same = _same(results)
             if same is not None:
                 return same
@@ -189,12 +267,12 @@ class SimulationMode(lt.LocalTensorMode):  # type: ignore[misc]
             if info.inplace_view:
                 out._sync_meta()
             return out
-        out = lt._combine_rank_results(dict(zip(ranks, results)), None)
+        out = _wrap(ranks, results)
         if not info.aliasing:
             return out
         fresh = None
         if isinstance(out, LocalTensor):
-            stride = _same([t.stride() for t in results])
+            stride = _same([list(t.stride()) for t in results])
             offset = _same([t.storage_offset() for t in results])
             fresh = {}
             if stride is not None:

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..spec import format_mesh
 from .mesh import axis_sizes
+from .simulate import check_alive
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -174,7 +175,11 @@ def _record(
 
 
 def _group(mesh: DeviceMesh, axis: str) -> Any:
-    return mesh.get_group(axis)
+    try:
+        return mesh.get_group(axis)
+    except RuntimeError:  # a mesh whose simulation has ended: say so, and how to fix it
+        check_alive(mesh, f"a collective over {axis!r}")
+        raise
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -86,8 +86,9 @@ class _Simulation:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         world = math.prod(self.axes.values())
-        mode = None
-        if not self.shapes_only:
+        if self.shapes_only:
+            mode: Any = _MetaAnswers()
+        else:
             from ._local_mode import SimulationMode
 
             mode = SimulationMode(world)
@@ -104,8 +105,7 @@ class _Simulation:
                 tuple(self.axes.values()),
                 mesh_dim_names=tuple(self.axes),
             )
-            if mode is not None:
-                mode.__enter__()
+            mode.__enter__()
         except BaseException:
             dist.destroy_process_group()
             raise
@@ -115,22 +115,70 @@ class _Simulation:
         return self.mesh
 
     def end(self) -> None:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
         if self.mode is not None:
-            top = _get_current_dispatch_mode()
+            top = _current_mode(self.mode)
             if top is not self.mode:
                 raise RuntimeError(
-                    f"cannot end {self.call()}: another dispatch mode ({type(top).__name__}) "
-                    f"was entered after it and is still active. Leave that mode first (end "
-                    f"its `with` block), then call ff.end_simulation()."
+                    f"cannot end {self.call()}: another mode ({type(top).__name__}) was "
+                    f"entered after it and is still active. Leave that mode first (end its "
+                    f"`with` block), then call ff.end_simulation()."
                 )
             self.mode.__exit__(None, None, None)
             self.mode = None
+        dist.destroy_process_group()
         if self.mesh is not None:
             _ENDED.mark(self.mesh, self.call())
-        dist.destroy_process_group()
+            _forget_groups(self.mesh, self.call())
 
+
+def _current_mode(mode: Any) -> Any:
+    """The innermost active mode of ``mode``'s kind (dispatch or function mode)."""
+    if isinstance(mode, torch.overrides.TorchFunctionMode):
+        from torch.overrides import _get_current_function_mode
+
+        return _get_current_function_mode()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+class _MetaAnswers(torch.overrides.TorchFunctionMode):
+    """Shapes-only simulation: answer data-dependent questions about ``meta`` tensors.
+
+    A ``meta`` tensor has no values, so ``bool(t)`` and ``t.item()`` have no answer; model
+    code asks them in checks such as "are there padded or packed sequences"
+    (``transformers`` masks). They take the branch of a true condition (``True``, zero), as
+    :func:`functional_fsdp.plan` does: those checks hold for a plain batch.
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func in _DATA_DEPENDENT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            t = args[0]
+            return True if func is torch.Tensor.__bool__ else (0.0 if t.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+_DATA_DEPENDENT = (torch.Tensor.__bool__, torch.Tensor.item)
+
+
+def _forget_groups(mesh: DeviceMesh, call: str) -> None:
+    """Point an ended mesh at process-group names that never resolve.
+
+    Group names restart with each process group, so a later simulation's groups would
+    otherwise answer to the old mesh's names, and its values would silently run there.
+    """
+    for m in (mesh, *getattr(mesh, "_flatten_mapping", {}).values()):
+        names = getattr(m, "_dim_group_names", None)
+        if isinstance(names, list):
+            m._dim_group_names = [f"{_ENDED_GROUP}{call}" for _ in names]
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
+_ENDED_GROUP = "functional_fsdp: group of an ended simulation, "
 
 _ACTIVE: list[_Simulation] = []  # at most one: the default process group is global
 
@@ -372,7 +420,12 @@ def per_coordinate(mesh: DeviceMesh, fn: Callable[[dict[str, int]], torch.Tensor
         # not a valid input to later ops (it holds the transform's wrappers per rank).
         with torch._C._DisableFuncTorch():
             return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
-    return fn(coordinate_of(mesh, dist.get_rank()))
+    try:
+        rank = dist.get_rank()
+    except ValueError:  # no process group: perhaps the mesh's simulation has ended
+        check_alive(mesh, "a per-rank value")
+        raise
+    return fn(coordinate_of(mesh, rank))
 
 
 def on_rank(t: Any, rank: int) -> Any:
