@@ -132,14 +132,18 @@ def _split(values: Any, ranks: list[int]) -> list[list[Any]]:
                 for row, r in zip(rows, ranks):
                     row[i] = _on_rank(v, r)
     except KeyError as e:
-        raise ValueError(
-            f"a value with one tensor per rank holds no tensor for rank {e.args[0]} of this "
-            f"{len(ranks)}-rank simulation: it was made in another simulation, which has "
-            f"ended. Values live only as long as their simulation: keep the mesh alive with "
-            f"`mesh = ff.simulated_mesh(..., persistent=True)`, or create and use the values "
-            f"inside one `with ff.simulated_mesh(...) as mesh:` block."
-        ) from None
+        raise _foreign(e.args[0], len(ranks)) from None
     return rows
+
+
+def _foreign(rank: int, n: int) -> ValueError:
+    return ValueError(
+        f"a value with one tensor per rank holds no tensor for rank {rank} of this {n}-rank "
+        f"simulation: it was made in another simulation, which has ended. Values live only "
+        f"as long as their simulation: keep the mesh alive with `mesh = "
+        f"ff.simulated_mesh(..., persistent=True)`, or create and use the values inside one "
+        f"`with ff.simulated_mesh(...) as mesh:` block."
+    )
 
 
 def _wrap(ranks: list[int], parts: list[Any]) -> Any:
@@ -245,6 +249,8 @@ class SimulationMode(lt.LocalTensorMode):  # type: ignore[misc]
             query = _QUERIES.get(func)
             if query is not None and len(args) == 1 and isinstance(args[0], LocalTensor):
                 parts = args[0]._local_tensors
+                if len(parts) != len(ranks):
+                    raise _foreign(next(r for r in ranks if r not in parts), len(ranks))
                 results = [query(parts[r]) for r in ranks]
             else:
                 results = [func(*a) for a in _split(args, ranks)]

@@ -419,7 +419,11 @@ def per_coordinate(mesh: DeviceMesh, fn: Callable[[dict[str, int]], torch.Tensor
         # Build the per-rank tensor outside any torch.func transform: one made inside it is
         # not a valid input to later ops (it holds the transform's wrappers per rank).
         with torch._C._DisableFuncTorch():
-            return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
+            try:
+                return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
+            except ValueError:  # a rank outside the mesh: perhaps its simulation has ended
+                check_alive(mesh, "a per-rank value")
+                raise
     try:
         rank = dist.get_rank()
     except ValueError:  # no process group: perhaps the mesh's simulation has ended
