@@ -321,7 +321,7 @@ def test_the_mesh_grid_is_read_once_per_mesh(monkeypatch):
         assert all(torch.equal(ff.rank_values(full[k])[-1], v) for k, v in params.items())
 
 
-def _ops_per_step(monkeypatch, n: int) -> int:
+def _count_dispatches(monkeypatch, fn) -> int:
     calls = [0]
     dispatch = _local_mode.SimulationMode.__torch_dispatch__
 
@@ -329,6 +329,26 @@ def _ops_per_step(monkeypatch, n: int) -> int:
         calls[0] += 1
         return dispatch(self, *args, **kwargs)
 
+    with monkeypatch.context() as m:
+        m.setattr(_local_mode.SimulationMode, "__torch_dispatch__", counted)
+        fn()
+    return calls[0]
+
+
+def test_sharding_costs_linear_in_ranks(monkeypatch):
+    torch.manual_seed(0)
+    params = {k: p.detach() for k, p in GPT(GPTConfig(n_layer=1)).named_parameters()}
+    ops = {}
+    for n in (32, 128):
+        with ff.simulated_mesh({"dp": n}) as mesh:
+            ops[n] = _count_dispatches(
+                monkeypatch, lambda mesh=mesh: ff.shard(params, mesh, ff.P("dp"))
+            )
+    # shard() cuts each rank's block with a few ops: four times the ranks, four times the ops.
+    assert 3.5 * ops[32] < ops[128] < 4.5 * ops[32], ops
+
+
+def _ops_per_step(monkeypatch, n: int) -> int:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16))
     with ff.simulated_mesh({"dp": n}) as mesh:
@@ -338,10 +358,7 @@ def _ops_per_step(monkeypatch, n: int) -> int:
         state = ff.TrainState.create(sm.shard(), opt)
         batch = torch.zeros(8, 13, dtype=torch.long)
         state, _ = step(state, batch)
-        with monkeypatch.context() as m:
-            m.setattr(_local_mode.SimulationMode, "__torch_dispatch__", counted)
-            step(state, batch)
-    return calls[0]
+        return _count_dispatches(monkeypatch, lambda: step(state, batch))
 
 
 def test_a_simulated_step_issues_the_same_ops_at_any_rank_count(monkeypatch):
