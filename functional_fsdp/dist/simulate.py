@@ -23,7 +23,7 @@ import numbers
 import sys
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -77,10 +77,9 @@ class _Simulation:
         self.mesh: DeviceMesh | None = None
 
     def call(self) -> str:
-        extra = ", shapes_only=True" if self.shapes_only else ""
-        return (
-            f"ff.simulated_mesh({self.axes}{extra}{', persistent=True' if self.persistent else ''})"
-        )
+        """How the simulation was asked for, for messages."""
+        flags = [f"{k}=True" for k in ("persistent", "shapes_only") if getattr(self, k)]
+        return f"ff.simulated_mesh({', '.join([repr(self.axes), *flags])})"
 
     def start(self) -> DeviceMesh:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -266,7 +265,7 @@ class SimulatedMeshContext:
         return f"SimulatedMeshContext({self._axes})"
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name.startswith("_"):
+        if name.startswith("_"):
             raise AttributeError(name)
         raise AttributeError(
             f"ff.simulated_mesh({self._axes}) is a context manager, not a mesh (it has no "
@@ -307,9 +306,21 @@ def _checked_axes(axes: Any) -> dict[str, int]:
     return out
 
 
+@overload
+def simulated_mesh(
+    axes: Mapping[str, int], *, persistent: Literal[False] = False, shapes_only: bool = False
+) -> SimulatedMeshContext: ...
+
+
+@overload
+def simulated_mesh(
+    axes: Mapping[str, int], *, persistent: Literal[True], shapes_only: bool = False
+) -> DeviceMesh: ...
+
+
 def simulated_mesh(
     axes: Mapping[str, int], *, persistent: bool = False, shapes_only: bool = False
-) -> Any:
+) -> SimulatedMeshContext | DeviceMesh:
     """Simulate a mesh of ``prod(axes.values())`` ranks in this process.
 
     In a simulation every tensor that differs between ranks is a ``LocalTensor`` holding
@@ -374,11 +385,6 @@ def end_simulation() -> None:
             _end(sim)
 
 
-def simulation_ended(mesh: DeviceMesh) -> str | None:
-    """The call that made ``mesh`` if it belonged to a simulation that has ended, else ``None``."""
-    return _ENDED.get(mesh)
-
-
 def is_shapes_only(mesh: DeviceMesh) -> bool:
     """True for the mesh of a ``simulated_mesh(..., shapes_only=True)``."""
     return bool(_SHAPES_ONLY.get(mesh))
@@ -388,10 +394,10 @@ def check_alive(mesh: DeviceMesh, what: str) -> None:
     """Refuse a mesh whose simulation has ended, naming the fix."""
     call = _ENDED.get(mesh)
     if call is not None:
-        raise ValueError(ended_message(call, format_mesh(_sizes(mesh)), what))
+        raise ValueError(_ended_message(call, format_mesh(_sizes(mesh)), what))
 
 
-def ended_message(call: str, mesh: str, what: str) -> str:
+def _ended_message(call: str, mesh: str, what: str) -> str:
     return (
         f"{what}: the value's mesh {mesh} belonged to {call}, which has ended (its process "
         f"group is gone). Values live only as long as their simulation: keep the mesh alive "
