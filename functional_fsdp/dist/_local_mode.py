@@ -103,6 +103,8 @@ def _kind(x: Any) -> int:
     if isinstance(x, (list, tuple)):
         found = 0
         for y in x:
+            if type(y) is int or y is None:  # the common case: sizes, dims, absent tensors
+                continue
             kind = _kind(y)
             if kind < 0:
                 return -1
@@ -171,16 +173,15 @@ def _wrap_one(ranks: list[int], parts: list[Any]) -> Any:
     if type(first) is torch.Tensor and not first.requires_grad:
         shape, stride = first.shape, first.stride()
         dtype, layout, conj, neg = first.dtype, first.layout, first.is_conj(), first.is_neg()
+        plain = not (conj or neg) and layout == torch.strided
         for t in parts[1:]:
             if (
                 type(t) is not torch.Tensor
                 or t.shape != shape
                 or t.stride() != stride
                 or t.dtype != dtype
-                or t.layout != layout
-                or t.is_conj() != conj
-                or t.is_neg() != neg
                 or t.requires_grad
+                or not (plain and t.layout == torch.strided and not t.is_conj() and not t.is_neg())
             ):
                 break
         else:
