@@ -272,7 +272,7 @@ def _trajectories(axes: dict[str, int], tp: bool) -> dict:
         opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(T.LR, **T.OPT))
         step = ff.train_step(loss, opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
-        for b in T.batches(2):
+        for b in T.batches(1):
             state, metrics = step(state, b)
             out["loss"].append([t.clone() for t in ff.rank_values(metrics["loss"])])
             out["norm"].append([t.clone() for t in ff.rank_values(metrics["grad_norm"])])
