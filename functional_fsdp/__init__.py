@@ -30,6 +30,7 @@ from .dist.mesh import axis_sizes as axis_sizes
 from .dist.mesh import init_distributed as init_distributed
 from .dist.mesh import make_mesh as make_mesh
 from .dist.mesh import rank_device as rank_device
+from .dist.simulate import end_simulation as end_simulation
 from .dist.simulate import is_simulated as is_simulated
 from .dist.simulate import rank_values as rank_values
 from .dist.simulate import simulated_mesh as simulated_mesh
@@ -178,6 +179,7 @@ __all__ = [
     "count_comms",
     "describe",
     "divide_by_tp",
+    "end_simulation",
     "find_units",
     "fsdp",
     "gather",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dist.mesh import axis_names, axis_sizes
+from .dist.mesh import axis_names, axis_sizes, rank_at
 from .dist.simulate import on_rank, per_coordinate
 from .sharded import Sharded, _layout, _sizes_key, unpad
 from .sharding import gather, reshard
@@ -141,8 +141,7 @@ def _dtensor_local_via_gather(s: Sharded, placements: list[Any]) -> torch.Tensor
 
 def _rank_local(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
     # No is_simulated() test: per_coordinate calls this with the simulation switched off.
-    rank = int(mesh.mesh[tuple(coord[a] for a in axis_names(mesh))])
-    return on_rank(t, rank)
+    return on_rank(t, rank_at(mesh, coord))  # the cached grid: no mesh tensor per rank
 
 
 def from_dtensor(dt: torch.distributed.tensor.DTensor) -> Sharded:

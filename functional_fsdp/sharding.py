@@ -17,8 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
 from .dist import collectives as C
-from .dist.mesh import axis_names, axis_sizes, check_mesh, local_coordinate
-from .dist.simulate import is_simulated, on_rank, per_coordinate, rank_values
+from .dist.mesh import axis_names, axis_sizes, check_mesh, local_coordinate, rank_at
+from .dist.simulate import (
+    check_alive,
+    is_shapes_only,
+    is_simulated,
+    on_rank,
+    per_coordinate,
+    rank_values,
+)
 from .sharded import Sharded, block_of, local_shape_problem
 from .spec import Layout, P, did_you_mean, format_mesh, gather_schedule, spec_problem
 
@@ -170,7 +177,10 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
     """
     check_mesh(mesh, "shard(tree, mesh, specs)")
     paths, leaves, treedef = _flatten(tree)
-    C.check_same_on_ranks(mesh, paths, leaves, "shard()")  # debug mode (FUNCTIONAL_FSDP_CHECK)
+    check_alive(mesh, "shard()")
+    shapes_only = is_shapes_only(mesh)
+    if not shapes_only:
+        C.check_same_on_ranks(mesh, paths, leaves, "shard()")  # debug mode (FUNCTIONAL_FSDP_CHECK)
     out = []
     for path, leaf, spec in zip(paths, leaves, resolve_specs(tree, specs)):
         if isinstance(leaf, Sharded):
@@ -181,17 +191,22 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
         if spec is None:
             out.append(leaf)
             continue
-        if leaf.is_meta:
+        if leaf.is_meta and not shapes_only:
             raise ValueError(
                 f"shard(): {keystr(path)} (shape {tuple(leaf.shape)}) is on the meta device: "
                 f"it has a shape but no values to shard. Materialise it first (for a module "
                 f"built on meta: params, buffers = ff.init_sharded(ff.fsdp(module, mesh)))."
             )
         layout = _checked_layout(path, leaf.shape, spec, mesh)
+        if shapes_only:  # no values: this rank's block as a meta tensor
+            local = torch.empty(layout.local_shape, dtype=leaf.dtype, device="meta")
+            out.append(Sharded(local, layout.global_shape, spec, mesh))
+            continue
         _check_same_on_every_rank(path, leaf)
         with torch.no_grad():
+            full = leaf.detach()
             local = per_coordinate(
-                mesh, lambda c, t=leaf, lay=layout: block_of(_on_coord(t, mesh, c), lay, c)
+                mesh, lambda c, t=full, lay=layout: block_of(on_rank(t, rank_at(mesh, c)), lay, c)
             )
         out.append(Sharded(local, layout.global_shape, spec, mesh))
     return optree.tree_unflatten(treedef, out)
@@ -212,11 +227,6 @@ def _check_same_on_every_rank(path: tuple[Any, ...], t: torch.Tensor) -> None:
             f"outside simulated_mesh(), or with torch.manual_seed instead of an explicit "
             f"torch.Generator (simulated ranks draw from a generator in turn)."
         )
-
-
-def _on_coord(t: torch.Tensor, mesh: DeviceMesh, coord: dict[str, int]) -> torch.Tensor:
-    rank = int(mesh.mesh[tuple(coord[a] for a in axis_names(mesh))])
-    return on_rank(t.detach(), rank)
 
 
 # --------------------------------------------------------------------------- bucketed gather
@@ -352,6 +362,7 @@ def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str
     Checked before any collective, so a bad leaf is named by its path instead of failing
     inside c10d.
     """
+    check_alive(values[0].mesh, f"{what}()")
     for path, v in zip(paths, values):
         problem = local_shape_problem(tuple(v.local.shape), v.global_shape, v.spec, v.mesh)
         if problem:

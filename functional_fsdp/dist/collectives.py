@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._tree import keystr
 from ..spec import format_mesh
 from .mesh import axis_sizes
-from .simulate import is_simulated
+from .simulate import check_alive, is_simulated
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -514,7 +514,11 @@ def check_same_on_ranks(
 
 
 def _group(mesh: DeviceMesh, axis: str) -> Any:
-    return mesh.get_group(axis)
+    try:
+        return mesh.get_group(axis)
+    except RuntimeError:  # a mesh whose simulation has ended: say so, and how to fix it
+        check_alive(mesh, f"a collective over {axis!r}")
+        raise
 
 
 def _nbytes(t: torch.Tensor) -> int:

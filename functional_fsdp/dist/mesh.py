@@ -11,6 +11,7 @@ import enum
 import math
 import operator
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -442,26 +443,94 @@ def local_coordinate(mesh: DeviceMesh) -> dict[str, int]:
     return dict(zip(axis_names(mesh), (int(c) for c in coord)))
 
 
+class MeshGrid:
+    """Where every rank of a mesh sits, as Python ints, computed once per mesh.
+
+    Attributes:
+        names: the axis names, major to minor.
+        shape: the axis sizes.
+        ranks: the global ranks in row-major coordinate order.
+    """
+
+    __slots__ = ("_coords", "_index", "names", "ranks", "shape")
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...], ranks: tuple[int, ...]):
+        self.names, self.shape, self.ranks = names, shape, ranks
+        self._index = {r: i for i, r in enumerate(ranks)}
+        self._coords: dict[int, dict[str, int]] = {}
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """The coordinate of a global rank by axis name (a new dict each call)."""
+        coord = self._coords.get(rank)
+        if coord is None:
+            index = self._index.get(rank)
+            if index is None:
+                raise ValueError(
+                    f"rank {rank} is not in the mesh {format_mesh(dict(zip(self.names, self.shape)))} "
+                    f"of ranks {list(self.ranks)}"
+                )
+            values = []
+            for size in reversed(self.shape):
+                values.append(index % size)
+                index //= size
+            coord = self._coords[rank] = dict(zip(self.names, reversed(values)))
+        return dict(coord)
+
+    def rank(self, coord: Mapping[str, int]) -> int:
+        """The global rank at a coordinate given by axis name."""
+        index = 0
+        for name, size in zip(self.names, self.shape):
+            index = index * size + coord[name]
+        return self.ranks[index]
+
+
+_GRIDS: weakref.WeakKeyDictionary[DeviceMesh, MeshGrid] = weakref.WeakKeyDictionary()
+
+
+def mesh_grid(mesh: DeviceMesh) -> MeshGrid:
+    """The mesh's :class:`MeshGrid`, computed on first use and cached with the mesh.
+
+    Reading ``mesh.mesh`` builds a tensor; on a simulated mesh every op on it runs once per
+    rank, so reading it per parameter and rank cost O(ranks²) each. The grid is read once,
+    outside any ``torch.func`` transform and outside the simulation.
+    """
+    grid = _GRIDS.get(mesh)
+    if grid is None:
+        grid = _GRIDS[mesh] = _read_grid(mesh)
+    return grid
+
+
+def _read_grid(mesh: DeviceMesh) -> MeshGrid:
+    names = axis_names(mesh)
+    with torch._C._DisableFuncTorch(), _simulation_paused():
+        tensor = mesh.mesh
+        per_rank = getattr(tensor, "_local_tensors", None)  # the same on every simulated rank
+        if per_rank is not None:
+            tensor = next(iter(per_rank.values()))
+        shape = tuple(int(s) for s in tensor.shape)
+        ranks = tuple(int(r) for r in tensor.reshape(-1).tolist())
+    return MeshGrid(names, shape, ranks)
+
+
+def _simulation_paused() -> contextlib.AbstractContextManager[None]:
+    """Switch a simulation's ``LocalTensorMode`` off (its factories make per-rank tensors)."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return contextlib.nullcontext()
+    mode = enabled_local_tensor_mode()
+    return mode.disable() if mode is not None else contextlib.nullcontext()
+
+
 def coordinate_of(mesh: DeviceMesh, rank: int) -> dict[str, int]:
     """The mesh coordinate of a global rank, by axis name.
 
-    Works inside ``torch.func`` transforms (e.g. ``reshard`` under ``torch.func.grad``), where
-    ``mesh.mesh`` would otherwise be computed as a transformed tensor that cannot be read.
+    Reads the mesh's cached :class:`MeshGrid`, so it costs a dict look-up and works inside
+    ``torch.func`` transforms and simulations alike.
     """
-    with torch._C._DisableFuncTorch():
-        grid = mesh.mesh
-        per_rank = getattr(grid, "_local_tensors", None)  # a simulated mesh: the same everywhere
-        if per_rank is not None:
-            grid = next(iter(per_rank.values()))
-        ranks = grid.tolist()
-    shape = tuple(int(s) for s in grid.shape)
-    flat: list[int] = ranks
-    for _ in shape[1:]:
-        flat = [r for row in flat for r in row]  # type: ignore[union-attr]
-    if flat.count(rank) != 1:
-        raise ValueError(f"rank {rank} is not in the mesh {ranks}")
-    index, coord = flat.index(rank), []
-    for size in reversed(shape):
-        coord.append(index % size)
-        index //= size
-    return dict(zip(axis_names(mesh), reversed(coord)))
+    return mesh_grid(mesh).coordinate(rank)
+
+
+def rank_at(mesh: DeviceMesh, coord: Mapping[str, int]) -> int:
+    """The global rank at a mesh coordinate given by axis name (the cached grid's)."""
+    return mesh_grid(mesh).rank(coord)

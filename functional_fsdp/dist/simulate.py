@@ -1,23 +1,38 @@
-"""Simulated meshes: N ranks in one process, with real numerics.
+"""Simulated meshes: N ranks in one process, with real numerics or with shapes only.
 
 Built on ``torch.distributed._local_tensor.LocalTensorMode`` and the fake process group: a
 value on the simulated mesh holds one tensor per rank, and the c10d functional collectives
 compute exactly what N real processes would, inside ``torch.func.grad`` too. The same user
 code runs unchanged under ``torchrun``, where real gloo or NCCL runs are the ground truth.
+
+Two ways to hold a simulation, as JAX users hold a mesh:
+
+* ``with ff.simulated_mesh({"dp": 8}) as mesh:`` ends it with the block;
+* ``mesh = ff.simulated_mesh({"dp": 8}, persistent=True)`` keeps it until
+  :func:`end_simulation` (or the next persistent mesh), so that it lives across notebook
+  cells.
+
+``shapes_only=True`` simulates rank 0 of N on the fake process group with ``meta`` tensors:
+no values and no memory, for checking specs, shapes and collective counts at any scale.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import numbers
+import sys
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..spec import format_mesh
 from .mesh import coordinate_of
+
+# --------------------------------------------------------------------------- torch's simulation
 
 
 def _local_tensor_module() -> Any:
@@ -33,7 +48,7 @@ def _local_tensor_module() -> Any:
 
 
 def is_simulated() -> bool:
-    """True inside :func:`simulated_mesh`.
+    """True inside :func:`simulated_mesh` (not a ``shapes_only`` one: that runs one rank).
 
     Example:
         >>> import functional_fsdp as ff
@@ -50,13 +65,287 @@ def is_simulated() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
-@contextlib.contextmanager
-def simulated_mesh(axes: Mapping[str, int]) -> Iterator[DeviceMesh]:
+# --------------------------------------------------------------------------- simulations
+
+
+class _Simulation:
+    """One running simulation: its fake process group, its mode and its mesh."""
+
+    def __init__(self, axes: dict[str, int], shapes_only: bool, persistent: bool) -> None:
+        self.axes, self.shapes_only, self.persistent = axes, shapes_only, persistent
+        self.mode: Any = None
+        self.mesh: DeviceMesh | None = None
+
+    def call(self) -> str:
+        """How the simulation was asked for, for messages."""
+        flags = [f"{k}=True" for k in ("persistent", "shapes_only") if getattr(self, k)]
+        return f"ff.simulated_mesh({', '.join([repr(self.axes), *flags])})"
+
+    def start(self) -> DeviceMesh:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        world = math.prod(self.axes.values())
+        if self.shapes_only:
+            mode: Any = _MetaAnswers()
+        else:
+            from ._local_mode import SimulationMode
+
+            mode = SimulationMode(world)
+        hook = sys.excepthook
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        # torch prefixes tracebacks with "[rank0]:" (once more per process group made): not
+        # true of a simulation, whose one process is every rank.
+        sys.excepthook = hook
+        try:
+            # Built before the mode starts: inside it, the mesh's own rank map would become a
+            # per-rank tensor, and every later look at the mesh would run once per rank.
+            self.mesh = init_device_mesh(
+                "meta" if self.shapes_only else "cpu",
+                tuple(self.axes.values()),
+                mesh_dim_names=tuple(self.axes),
+            )
+            mode.__enter__()
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        self.mode = mode
+        if self.shapes_only:
+            _SHAPES_ONLY.mark(self.mesh, True)
+        return self.mesh
+
+    def end(self) -> None:
+        if self.mode is not None:
+            top = _current_mode(self.mode)
+            if top is not self.mode:
+                raise RuntimeError(
+                    f"cannot end {self.call()}: another mode ({type(top).__name__}) was "
+                    f"entered after it and is still active. Leave that mode first (end its "
+                    f"`with` block), then call ff.end_simulation()."
+                )
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+        dist.destroy_process_group()
+        if self.mesh is not None:
+            _ENDED.mark(self.mesh, self.call())
+            _forget_groups(self.mesh, self.call())
+
+
+def _current_mode(mode: Any) -> Any:
+    """The innermost active mode of ``mode``'s kind (dispatch or function mode)."""
+    if isinstance(mode, torch.overrides.TorchFunctionMode):
+        from torch.overrides import _get_current_function_mode
+
+        return _get_current_function_mode()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+class _MetaAnswers(torch.overrides.TorchFunctionMode):
+    """Shapes-only simulation: answer data-dependent questions about ``meta`` tensors.
+
+    A ``meta`` tensor has no values, so ``bool(t)`` and ``t.item()`` have no answer; model
+    code asks them in checks such as "are there padded or packed sequences"
+    (``transformers`` masks). They take the branch of a true condition (``True``, zero), as
+    :func:`functional_fsdp.plan` does: those checks hold for a plain batch.
+    """
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func in _DATA_DEPENDENT and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            t = args[0]
+            return True if func is torch.Tensor.__bool__ else (0.0 if t.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+_DATA_DEPENDENT = (torch.Tensor.__bool__, torch.Tensor.item)
+
+
+def _forget_groups(mesh: DeviceMesh, call: str) -> None:
+    """Point an ended mesh at process-group names that never resolve.
+
+    Group names restart with each process group, so a later simulation's groups would
+    otherwise answer to the old mesh's names, and its values would silently run there.
+    """
+    for m in (mesh, *getattr(mesh, "_flatten_mapping", {}).values()):
+        names = getattr(m, "_dim_group_names", None)
+        if isinstance(names, list):
+            m._dim_group_names = [f"{_ENDED_GROUP}{call}" for _ in names]
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
+_ENDED_GROUP = "functional_fsdp: group of an ended simulation, "
+
+_ACTIVE: list[_Simulation] = []  # at most one: the default process group is global
+
+
+class _MeshMarks:
+    """A value per mesh object, by identity: meshes of two simulations compare equal."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, tuple[weakref.ref[DeviceMesh], Any]] = {}
+
+    def mark(self, mesh: DeviceMesh, value: Any) -> None:
+        key = id(mesh)
+        self._marks[key] = (weakref.ref(mesh), value)
+        weakref.finalize(mesh, self._marks.pop, key, None)
+
+    def get(self, mesh: DeviceMesh) -> Any:
+        entry = self._marks.get(id(mesh))
+        return entry[1] if entry is not None and entry[0]() is mesh else None
+
+
+_ENDED = _MeshMarks()  # meshes of simulations that have ended: the call that made them
+_SHAPES_ONLY = _MeshMarks()
+
+
+def _start(axes: dict[str, int], shapes_only: bool, persistent: bool) -> _Simulation:
+    if _ACTIVE:
+        running = _ACTIVE[0]
+        if not (persistent and running.persistent):
+            raise RuntimeError(
+                f"{_Simulation(axes, shapes_only, persistent).call()} cannot start while "
+                f"{running.call()} is running (one simulation at a time). "
+                + (
+                    "End it with ff.end_simulation() first, or keep using its mesh."
+                    if running.persistent
+                    else "Start it after that `with` block ends."
+                )
+            )
+        end_simulation()  # re-running a notebook cell replaces its persistent mesh
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simulated_mesh() needs to create its own (fake) process group, but one already "
+            "exists. Use the real mesh (make_mesh) here, or call "
+            "torch.distributed.destroy_process_group() first."
+        )
+    sim = _Simulation(axes, shapes_only, persistent)
+    sim.start()
+    _ACTIVE.append(sim)
+    return sim
+
+
+def _end(sim: _Simulation) -> None:
+    sim.end()
+    _ACTIVE.remove(sim)
+
+
+class SimulatedMeshContext:
+    """What ``ff.simulated_mesh(axes)`` returns: a context manager whose block is the simulation.
+
+    It is not a mesh itself. Write ``with ff.simulated_mesh({"dp": 8}) as mesh:`` for a
+    simulation that ends with the block, or ``mesh = ff.simulated_mesh({"dp": 8},
+    persistent=True)`` for one that lives across notebook cells.
+
+    Example:
+        >>> import functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     ff.axis_sizes(mesh)
+        {'dp': 2}
+    """
+
+    def __init__(self, axes: dict[str, int], shapes_only: bool) -> None:
+        self._axes = axes
+        self._shapes_only = shapes_only
+        self._running: list[_Simulation] = []
+
+    def __enter__(self) -> DeviceMesh:
+        sim = _start(self._axes, self._shapes_only, persistent=False)
+        self._running.append(sim)
+        assert sim.mesh is not None
+        return sim.mesh
+
+    def __exit__(self, *exc: object) -> None:
+        _end(self._running.pop())
+
+    def __repr__(self) -> str:
+        return f"SimulatedMeshContext({self._axes})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"ff.simulated_mesh({self._axes}) is a context manager, not a mesh (it has no "
+            f"{name!r}). Write `with ff.simulated_mesh({self._axes}) as mesh:` and use `mesh` "
+            f"inside the block, or `mesh = ff.simulated_mesh({self._axes}, persistent=True)` "
+            f"for a mesh that lives across notebook cells (end it with ff.end_simulation())."
+        )
+
+
+def _checked_axes(axes: Any) -> dict[str, int]:
+    example = "ff.simulated_mesh({'dp': 8}) or ff.simulated_mesh({'dp': 2, 'tp': 4})"
+    if not isinstance(axes, Mapping):
+        raise TypeError(
+            f"simulated_mesh() takes a mapping from axis name to size, got {axes!r} "
+            f"({type(axes).__name__}); write {example}."
+        )
+    if not axes:
+        raise ValueError(f"simulated_mesh() needs at least one axis, got {{}}; write {example}.")
+    out: dict[str, int] = {}
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"simulated_mesh({dict(axes)!r}): axis names must be non-empty strings, got "
+                f"{name!r} ({type(name).__name__}); name the axes, e.g. {example}."
+            )
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(
+                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be an int, "
+                f"got {size!r} ({type(size).__name__}); write e.g. {{{name!r}: 8}}."
+            )
+        if size < 1:
+            raise ValueError(
+                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be at least "
+                f"1, got {size}; a mesh axis holds one or more ranks (use size 1 for an axis "
+                f"that does not split anything)."
+            )
+        out[name] = int(size)
+    return out
+
+
+@overload
+def simulated_mesh(
+    axes: Mapping[str, int], *, persistent: Literal[False] = False, shapes_only: bool = False
+) -> SimulatedMeshContext: ...
+
+
+@overload
+def simulated_mesh(
+    axes: Mapping[str, int], *, persistent: Literal[True], shapes_only: bool = False
+) -> DeviceMesh: ...
+
+
+def simulated_mesh(
+    axes: Mapping[str, int], *, persistent: bool = False, shapes_only: bool = False
+) -> SimulatedMeshContext | DeviceMesh:
     """Simulate a mesh of ``prod(axes.values())`` ranks in this process.
 
-    Inside the block, every tensor that differs between ranks is a ``LocalTensor`` holding
+    In a simulation every tensor that differs between ranks is a ``LocalTensor`` holding
     one value per rank, and collectives run for all ranks at once. Use :func:`rank_values`
     to look at the per-rank values. A process group must not already exist.
+
+    Args:
+        axes: axis name to size, major to minor, e.g. ``{"dp": 2, "tp": 4}``.
+        persistent: start the simulation now and return its mesh; it lasts until
+            :func:`end_simulation` or the next ``persistent=True`` call (which replaces it,
+            so a notebook cell can be run again). Without it, the result is a context
+            manager: ``with ff.simulated_mesh(axes) as mesh:``.
+        shapes_only: simulate rank 0 of the mesh with ``meta`` tensors and the fake process
+            group: nothing is computed and no memory is used, but specs, shapes, the plan and
+            every collective (``ff.count_comms``) are those of a real run. ``shard`` gives
+            ``meta`` blocks; pass inputs on the ``meta`` device too.
+
+    Returns:
+        A context manager yielding the ``DeviceMesh``, or with ``persistent=True`` the
+        ``DeviceMesh`` itself.
+
+    Raises:
+        TypeError: if ``axes`` is not a mapping of string names to int sizes.
+        ValueError: if there is no axis or a size is below 1.
+        RuntimeError: if another simulation or a real process group is running.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -64,25 +353,65 @@ def simulated_mesh(axes: Mapping[str, int]) -> Iterator[DeviceMesh]:
         ...     x = ff.shard(torch.arange(10.0), mesh, ff.P("dp"))
         ...     [tuple(t.tolist()) for t in ff.rank_values(x.local)]
         [(0.0, 1.0, 2.0), (3.0, 4.0, 5.0), (6.0, 7.0, 8.0), (9.0, 0.0, 0.0)]
+        >>> mesh = ff.simulated_mesh({"dp": 2}, persistent=True)  # lives across cells
+        >>> ff.rank_values(ff.shard(torch.arange(4.0), mesh, ff.P("dp")).local)[1].tolist()
+        [2.0, 3.0]
+        >>> ff.end_simulation()
     """
-    lt = _local_tensor_module()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    checked = _checked_axes(axes)
+    _local_tensor_module()
+    if persistent:
+        mesh = _start(checked, shapes_only, persistent=True).mesh
+        assert mesh is not None
+        return mesh
+    return SimulatedMeshContext(checked, shapes_only)
 
-    if dist.is_initialized():
-        raise RuntimeError(
-            "simulated_mesh() needs to create its own (fake) process group, but one already "
-            "exists. Use the real mesh (make_mesh) here, or call "
-            "torch.distributed.destroy_process_group() first."
-        )
-    world = math.prod(int(s) for s in axes.values())
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        with lt.LocalTensorMode(world):
-            yield init_device_mesh(
-                "cpu", tuple(int(s) for s in axes.values()), mesh_dim_names=tuple(axes)
-            )
-    finally:
-        dist.destroy_process_group()
+
+def end_simulation() -> None:
+    """End the running persistent simulation (``simulated_mesh(..., persistent=True)``).
+
+    Values made on its mesh cannot be used afterwards (they raise an error saying so). Does
+    nothing when no persistent simulation runs.
+
+    Example:
+        >>> import functional_fsdp as ff
+        >>> mesh = ff.simulated_mesh({"dp": 2}, persistent=True)
+        >>> ff.end_simulation()
+        >>> ff.is_simulated()
+        False
+    """
+    for sim in list(_ACTIVE):
+        if sim.persistent:
+            _end(sim)
+
+
+def is_shapes_only(mesh: DeviceMesh) -> bool:
+    """True for the mesh of a ``simulated_mesh(..., shapes_only=True)``."""
+    return bool(_SHAPES_ONLY.get(mesh))
+
+
+def check_alive(mesh: DeviceMesh, what: str) -> None:
+    """Refuse a mesh whose simulation has ended, naming the fix."""
+    call = _ENDED.get(mesh)
+    if call is not None:
+        raise ValueError(_ended_message(call, format_mesh(_sizes(mesh)), what))
+
+
+def _ended_message(call: str, mesh: str, what: str) -> str:
+    return (
+        f"{what}: the value's mesh {mesh} belonged to {call}, which has ended (its process "
+        f"group is gone). Values live only as long as their simulation: keep the mesh alive "
+        f"with `mesh = ff.simulated_mesh(..., persistent=True)` (ended by "
+        f"ff.end_simulation()), or create and use the values inside one `with "
+        f"ff.simulated_mesh(...) as mesh:` block."
+    )
+
+
+def _sizes(mesh: DeviceMesh) -> dict[str, int]:
+    return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.shape)))
+
+
+# --------------------------------------------------------------------------- per-rank values
 
 
 def per_coordinate(mesh: DeviceMesh, fn: Callable[[dict[str, int]], torch.Tensor]) -> torch.Tensor:
@@ -96,8 +425,17 @@ def per_coordinate(mesh: DeviceMesh, fn: Callable[[dict[str, int]], torch.Tensor
         # Build the per-rank tensor outside any torch.func transform: one made inside it is
         # not a valid input to later ops (it holds the transform's wrappers per rank).
         with torch._C._DisableFuncTorch():
-            return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
-    return fn(coordinate_of(mesh, dist.get_rank()))
+            try:
+                return lt.rank_map(lambda r: fn(coordinate_of(mesh, r)))
+            except ValueError:  # a rank outside the mesh: perhaps its simulation has ended
+                check_alive(mesh, "a per-rank value")
+                raise
+    try:
+        rank = dist.get_rank()
+    except ValueError:  # no process group: perhaps the mesh's simulation has ended
+        check_alive(mesh, "a per-rank value")
+        raise
+    return fn(coordinate_of(mesh, rank))
 
 
 def on_rank(t: Any, rank: int) -> Any:
