@@ -359,6 +359,9 @@ def check_mesh(mesh: Any, where: str) -> None:
     if not isinstance(mesh, DeviceMesh):
         from ..spec import P
 
+        if hasattr(mesh, "__enter__"):  # e.g. ff.simulated_mesh(...) itself: it says how to use it
+            getattr(mesh, "mesh_dim_names")  # noqa: B009
+
         swapped = " (the arguments look swapped)" if isinstance(mesh, P) else ""
         raise TypeError(
             f"{where} takes a DeviceMesh with named axes, got {mesh!r} "

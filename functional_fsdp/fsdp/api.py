@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
+from ..dist.simulate import is_shapes_only
 from ..sharded import Sharded
 from ..sharding import Specs, resolve_specs, shard
 from ..spec import P, did_you_mean, format_mesh
@@ -191,7 +192,8 @@ class FSDP:
         they are on ``meta`` too).
         """
         if params is None:
-            if any(p.is_meta for p in self.module.parameters()):
+            shapes_only = is_shapes_only(self.mesh)  # meta values are what it runs on
+            if not shapes_only and any(p.is_meta for p in self.module.parameters()):
                 meta_buffers = [n for n, b in self.module.named_buffers() if b.is_meta]
                 if meta_buffers:
                     raise ValueError(
@@ -279,7 +281,7 @@ class FSDP:
                     f"(FSDP.shard()); to move trained values to another mesh, save them and "
                     f"load them into its layout: ff.checkpoint.load(path, sharded_model.shard())."
                 )
-            if v.local.is_meta:
+            if v.local.is_meta and not is_shapes_only(self.mesh):
                 raise ValueError(
                     f"params[{name!r}] (shape {v.global_shape}, {v.spec.trimmed()}) is on the "
                     f"meta device: it has no values. Create the parameters with "
