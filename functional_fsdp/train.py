@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._partition import module_trainable, names_of, partition, trainable_names
-from ._tree import NAMESPACE, tree_leaves
+from ._tree import NAMESPACE, keystr, tree_leaves
 from .dist import collectives as C
 from .dist.mesh import axis_sizes, coordinate_of
 from .dist.simulate import is_simulated, per_coordinate
@@ -114,6 +114,7 @@ class TrainState:
 
         Raises:
             ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
+            TypeError: if a trainable leaf is an integer or bool tensor (no gradients).
 
         Example:
             >>> import torch, functional_fsdp as ff
@@ -134,6 +135,8 @@ class TrainState:
                     f"the names or predicate, or which parameters have requires_grad=True."
                 )
         train = params if names is None else partition(params, names)[0]
+        paths, leaves, _ = optree.tree_flatten_with_path(train)
+        _check_differentiable(paths, leaves, "TrainState.create", names is None)
         if opt_specs is not None:
             train = reshard(train, restrict_specs(opt_specs, train))
         return TrainState(params, optimizer.init(train), 0, names)
@@ -180,6 +183,25 @@ class TrainState:
         return f"TrainState(step={self._step}, local parameter elements={n}{split})"
 
 
+def _check_differentiable(
+    paths: list[tuple[Any, ...]], leaves: list[Any], where: str, all_leaves: bool
+) -> None:
+    """Trainable leaves must be floating-point or complex tensors: only those have gradients."""
+    for path, leaf in zip(paths, leaves):
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+            told = "every leaf trains (no trainable= was given)" if all_leaves else "it trains"
+            raise TypeError(
+                f"{where}: params{keystr(path)} is {str(dtype).removeprefix('torch.')} (shape "
+                f"{tuple(leaf.shape)}) and {told}, but integer and bool tensors have no "
+                f"gradients and cannot be trained. Leave it out with trainable=: "
+                f"ff.TrainState.create(params, optimizer, trainable=sharded_model) trains the "
+                f"module's requires_grad=True parameters, trainable=lambda path, p: "
+                f"p.dtype.is_floating_point the floating ones; or keep it as a buffer "
+                f"(module.register_buffer) instead of a parameter."
+            )
+
+
 def _short_repr(x: Any, limit: int = 80) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
@@ -210,6 +232,23 @@ optree.register_pytree_node(
 # --------------------------------------------------------------------------- batches
 
 
+def _examples(n: int) -> str:
+    return f"{n} example{'' if n == 1 else 's'}"
+
+
+def _check_not_empty(batch: Batch, where: str = "train_step") -> None:
+    """Raise unless every tensor of ``batch`` (with a batch dim) holds at least one example."""
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    for path, t in zip(paths, leaves):
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == 0:
+            raise ValueError(
+                f"{where}: the batch is empty: batch{keystr(path)} has 0 examples (shape "
+                f"{tuple(t.shape)}), and the mean loss of no examples is not a number. Skip "
+                f"the step when the data runs out (drop_last=True in a DataLoader drops a "
+                f"short last batch), or pass at least one example per rank."
+            )
+
+
 def split_batch(batch: Batch, parts: int, where: str = "train_step") -> list[Batch]:
     """Split every tensor of ``batch`` into ``parts`` equal chunks along dim 0."""
     leaves, treedef = optree.tree_flatten(batch)
@@ -217,7 +256,7 @@ def split_batch(batch: Batch, parts: int, where: str = "train_step") -> list[Bat
     for size in sizes:
         if size % parts:
             raise ValueError(
-                f"{where}: a batch of {size} examples does not split into {parts} equal "
+                f"{where}: a batch of {_examples(size)} does not split into {parts} equal "
                 f"micro-batches; use a batch size divisible by accumulate={parts}."
             )
     chunks = [t.chunk(parts) if isinstance(t, torch.Tensor) else [t] * parts for t in leaves]
@@ -239,7 +278,7 @@ def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
     for t in leaves:
         if isinstance(t, torch.Tensor) and t.shape[0] % n:
             raise ValueError(
-                f"train_step: a global batch of {t.shape[0]} examples (shape {tuple(t.shape)}) "
+                f"train_step: a global batch of {_examples(t.shape[0])} (shape {tuple(t.shape)}) "
                 f"does not divide across the {n} data-parallel ranks of {format_mesh(sizes)} "
                 f"(data axes {data_axes}); use a multiple of {n}, or pass each rank's own "
                 f"batch with train_step(..., batch='local')."
@@ -319,7 +358,8 @@ class _Split:
     and a way to put them back among the frozen ones, keeping ``params``' exact structure."""
 
     def __init__(self, params: Any, names: frozenset[str] | None) -> None:
-        paths, self.leaves, self.treedef = optree.tree_flatten_with_path(params)
+        self.paths, self.leaves, self.treedef = optree.tree_flatten_with_path(params)
+        paths = self.paths
         if names is None:
             self.train, self.index = params, list(range(len(self.leaves)))
             self.train_def = self.treedef
@@ -454,8 +494,17 @@ def train_step(
         ...     state.step, sorted(state.trainable), state.params["bias"] is params["bias"]
         (1, ['weight'], True)
     """
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int):
+        raise TypeError(
+            f"train_step: accumulate must be an int (the number of micro-batches), got "
+            f"{accumulate!r}."
+        )
     if accumulate < 1:
-        raise ValueError(f"train_step: accumulate must be >= 1, got {accumulate}")
+        raise ValueError(
+            f"train_step: accumulate must be >= 1, got {accumulate}. It is the number of "
+            f"micro-batches each rank's batch is split into: accumulate=1 (the default) "
+            f"computes the step on the whole batch at once; accumulate=k > 1 splits it into k."
+        )
     if accumulate_mode not in ("reduce_each", "local"):
         raise ValueError(
             f"train_step: accumulate_mode must be 'reduce_each' or 'local', got {accumulate_mode!r}"
@@ -507,10 +556,17 @@ def train_step(
         params, opt_state, count = state.params, state.opt_state, state.step
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
+        _check_not_empty(data)
         local = (
             local_batch(data, model.mesh, model.data_axes) if batch == "global" and model else data
         )
         split = _Split(params, state.trainable)
+        _check_differentiable(
+            [split.paths[i] for i in split.index],
+            split.train_leaves,
+            "train_step",
+            state.trainable is None,
+        )
         grad_leaves, loss = grads_and_loss(split, local)
         grads = split.train_def.unflatten(grad_leaves)
         train = split.train

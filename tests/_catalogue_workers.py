@@ -290,6 +290,14 @@ def _step_with_batch(ctx: Ctx, n: int, **kwargs: Any) -> Any:
     return step(state, _batch(n))
 
 
+def _train_bool_leaf(ctx: Ctx) -> Any:
+    sm = ff.fsdp(_Masked(), ctx.mesh)
+    params, opt = sm.shard(), ff.sgd(0.1)
+    state = ff.TrainState(params, opt.init(params), 0)  # built by hand, past create's check
+    step = ff.train_step(lambda p, b: sm.apply(p, b).sum(), opt, batch="local")
+    return step(state, torch.ones(2, 4))
+
+
 def _loss_not_scalar(ctx: Ctx) -> Any:
     step, state = _step(ctx, per_example=True)
     return step(state, _batch(4))
@@ -841,7 +849,7 @@ CASES: list[Case] = [
         "a global batch of 1 on 2 data-parallel ranks",
         ValueError,
         (
-            "a global batch of 1 examples (shape (1, 8)) does not divide across the 2",
+            "a global batch of 1 example (shape (1, 8)) does not divide across the 2",
             "batch='local'",
         ),
         lambda ctx: _step_with_batch(ctx, 1),
@@ -859,11 +867,61 @@ CASES: list[Case] = [
         real=True,
     ),
     Case(
+        "accumulate_one_example",
+        "train_step(accumulate=2) with 1 example per rank",
+        ValueError,
+        (
+            "a batch of 1 example does not split into 2 equal micro-batches",
+            "divisible by accumulate=2",
+        ),
+        lambda ctx: _step_with_batch(ctx, 2, accumulate=2),
+    ),
+    Case(
         "accumulate_zero",
         "train_step(accumulate=0)",
         ValueError,
-        ("train_step: accumulate must be >= 1, got 0",),
+        (
+            "train_step: accumulate must be >= 1, got 0",
+            "accumulate=1 (the default) computes the step on the whole batch",
+        ),
         lambda ctx: _step(ctx, accumulate=0),
+    ),
+    Case(
+        "batch_empty",
+        "train_step on a batch of 0 examples",
+        ValueError,
+        (
+            "train_step: the batch is empty: batch[0] has 0 examples (shape (0, 8))",
+            "drop_last=True",
+        ),
+        lambda ctx: _step_with_batch(ctx, 0),
+        real=True,
+    ),
+    Case(
+        "state_int_leaf",
+        "TrainState.create(params, opt) whose params hold an int64 'steps'",
+        TypeError,
+        (
+            "TrainState.create: params['steps'] is int64 (shape (3,)) and every leaf trains "
+            "(no trainable= was given)",
+            "integer and bool tensors have no gradients",
+            "trainable=sharded_model",
+            "module.register_buffer",
+        ),
+        lambda ctx: ff.TrainState.create(ff.fsdp(_WithSteps(), ctx.mesh).shard(), ff.sgd(0.1)),
+        real=True,
+    ),
+    Case(
+        "train_step_bool_leaf",
+        "train_step without model= on a state whose trainable params hold a bool 'mask'",
+        TypeError,
+        (
+            "train_step: params['mask'] is bool (shape (2, 4)) and every leaf trains",
+            "integer and bool tensors have no gradients",
+            "trainable=lambda path, p: p.dtype.is_floating_point",
+        ),
+        _train_bool_leaf,
+        real=True,
     ),
     Case(
         "loss_not_scalar",

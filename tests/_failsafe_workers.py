@@ -427,6 +427,62 @@ def shard_checks() -> dict:
     return out
 
 
+def _equal_bucket_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Per rank: an MLP and a Llama whose shards hold other shapes but equal element counts.
+
+    Rank 0: 8-8-16-4; rank 1: 8-8-12-8 (both 212 elements after the shared first layer).
+    Llama: head_dim 8 and intermediate 64 on rank 0, head_dim 4 and intermediate 80 on rank 1
+    (9216 elements per decoder layer either way); the root unit is the same.
+    """
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hidden, out = (16, 4) if _rank() == 0 else (12, 8)
+    L = torch.nn.Linear
+    mlp = torch.nn.Sequential(
+        L(8, 8), torch.nn.Tanh(), L(8, hidden), torch.nn.Tanh(), L(hidden, out)
+    )
+    options = {"head_dim": 8, "intermediate_size": 64}
+    if _rank() == 1:
+        options = {"head_dim": 4, "intermediate_size": 80}
+    llama = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, **options))
+    llama.config.use_cache = False
+    return mlp, llama
+
+
+def mismatched_models() -> dict:
+    """Ranks running differently-shaped models whose buckets have equal sizes: the FSDP
+    engine's collectives carry the parameters' names, shapes and specs, so the debug check
+    catches it (forward all-gather; backward reduce-scatter) and names the parameters."""
+    mesh = ff.make_mesh({"dp": 2})
+    mlp, llama = _equal_bucket_models()
+    x, ids = torch.randn(4, 8), torch.randint(0, 96, (2, 6))
+    out: dict[str, Any] = {}
+    f = ff.fsdp(mlp, mesh, units=[])  # one bucket: the whole model
+    params = f.shard()  # unchecked: shard() would compare the values first
+    out["shard_numel"] = sum(p.local.numel() for p in params.values())
+    out["unchecked"] = tuple(f.apply(params, x).shape)  # silently runs on mixed-up bytes
+    with ff.check_collectives():
+        out["mlp_forward"] = _caught(lambda: f.apply(params, x))
+        out["healthy_after_forward"] = _healthy(mesh)
+    # The backward's reduce-scatter (no regather: ZeRO-2), checked on its own.
+    z2 = ff.fsdp(mlp, mesh, units=[], policy=ff.Policy(reshard_after_forward=False))
+    leaves = {
+        k: ff.Sharded(v.local.clone().requires_grad_(), v.global_shape, v.spec, mesh)
+        for k, v in z2.shard().items()
+    }
+    loss = z2.apply(leaves, x).sum()
+    with ff.check_collectives():
+        out["mlp_backward"] = _caught(lambda: loss.backward())
+        out["healthy"] = _healthy(mesh)
+    g = ff.fsdp(llama, mesh)
+    llama_params = g.shard()
+    with ff.check_collectives():
+        out["llama"] = _caught(lambda: g.apply(llama_params, input_ids=ids))
+        out["healthy_after_llama"] = _healthy(mesh)
+    return out
+
+
 def _gpt_steps(steps: int, check: bool, cfg: Any = CFG) -> tuple[list[float], Any, float]:
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -392,6 +392,21 @@ def test_plot_memory_bars_are_the_reports_parts_and_the_measured_ones():
         ff.plot_memory(cmp, measured={"zero3": {"weights": 1}})
 
 
+def test_comparison_plot_is_plot_memory_and_text_without_matplotlib(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 63))
+    cmp = ff.compare_strategies(model, 4, strategies=("ddp", "zero3"))
+    _, ax = plt.subplots()
+    assert cmp.plot(0.0001, ax=ax) is ax
+    ref = ff.plot_memory(cmp, gib=0.0001)
+    for got, want in zip(ax.containers, ref.containers, strict=True):
+        assert got.get_label() == want.get_label()
+        assert [p.get_height() for p in got] == [p.get_height() for p in want]
+    assert ax.get_ylabel() == ref.get_ylabel() and ax.get_title() == ref.get_title()
+    assert ax.lines[0].get_ydata()[0] == ref.lines[0].get_ydata()[0]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cmp.plot(0.0001) == cmp.text_chart(0.0001)
+
+
 def test_plot_comms_bars_are_the_reports_collectives_and_a_simulated_step():
     cfg = GPTConfig(n_layer=1, vocab_size=32, n_embd=16, n_head=2, block_size=8)
     torch.manual_seed(0)

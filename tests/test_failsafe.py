@@ -283,6 +283,39 @@ def test_debug_mode_names_ranks_and_values_that_differ(pools):
     assert all(pools.run(2, W.checked_train_step)[i]["same"] for i in (0, 1))
 
 
+@pytest.mark.multiprocess
+def test_debug_mode_names_the_parameters_of_fsdp_buckets_that_differ(pools):
+    """Rank 0 runs an MLP 8-8-16-4, rank 1 an MLP 8-8-12-8 (and Llamas with other head_dim
+    and intermediate sizes): equal bucket sizes, so only the parameters' names, shapes and
+    specs that the engine hands its collectives can tell them apart."""
+    r0, r1 = pools.run(2, W.mismatched_models)
+    assert r0["shard_numel"] == r1["shard_numel"] == 142
+    assert (r0["unchecked"], r1["unchecked"]) == ((4, 4), (4, 8))  # silently reinterpreted
+    for r in (r0, r1):
+        assert r["healthy"] and r["healthy_after_forward"] and r["healthy_after_llama"]
+        fwd, bwd, llama = r["mlp_forward"], r["mlp_backward"], r["llama"]
+        assert "collective mismatch over mesh axis 'dp' of the mesh Mesh(dp=2)" in fwd
+        # The first two parameters agree; each rank's part starts at the first that differs.
+        for rank, *rest in ((0, "(16, 8)", "(16,)", "(4, 16)"), (1, "(12, 8)", "(12,)", "(8, 12)")):
+            expected = (
+                f"holding 2 matching items, then (\"2.weight {rest[0]} P('dp', None)\", "
+                f"\"2.bias {rest[1]} P('dp')\", \"4.weight {rest[2]} P('dp', None)\""
+            )
+            assert re.search(
+                rf"rank {rank}: all_gather #\d+ over 'dp' of float32 \(142,\) "
+                + re.escape(expected),
+                fwd,
+            )
+        for rank, weight in ((0, "(16, 8)"), (1, "(12, 8)")):
+            assert re.search(
+                rf"rank {rank}: reduce_scatter #\d+ over 'dp' of float32 \(2, 142\) \(sum\) "
+                rf"holding 2 matching items, then \(\"2\.weight {re.escape(weight)}",
+                bwd,
+            )
+        assert "model.layers.0.self_attn.q_proj.weight (32, 32) P('dp', None)" in llama
+        assert "model.layers.0.self_attn.q_proj.weight (16, 32) P('dp', None)" in llama
+
+
 def test_debug_mode_is_off_by_default_and_scoped():
     from functional_fsdp.dist import collectives as C
 

@@ -130,6 +130,33 @@ def test_bad_input_errors():
             momentum(other, b4)
 
 
+def test_integer_leaves_train_with_the_fixes_the_error_suggests():
+    """An int64 leaf without trainable= raises a TypeError (see the catalogue); both fixes its
+    message suggests train the floating leaves exactly like plain SGD and keep the counter."""
+    from ._catalogue_workers import _WithSteps
+
+    torch.manual_seed(0)
+    module = _WithSteps()
+    x = torch.randn(4, 4)
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(module.lin.state_dict())
+    ref(x).pow(2).mean().backward()
+    opt = ff.sgd(0.1)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(module, mesh)
+        params = sm.shard()
+        with pytest.raises(TypeError, match=r"params\['steps'\] is int64 \(shape \(3,\)\)"):
+            ff.TrainState.create(params, opt)
+        step = ff.train_step(lambda p, b: sm.apply(p, b).pow(2).mean(), opt, model=sm)
+        for trainable in (sm, lambda path, p: p.dtype.is_floating_point):
+            state, _ = step(ff.TrainState.create(params, opt, trainable=trainable), x)
+            assert state.params["steps"] is params["steps"]
+            got = {k: ff.rank_values(v)[0] for k, v in ff.gather(state.params).items()}
+            for name in ("weight", "bias"):
+                want = getattr(ref, name).detach() - 0.1 * getattr(ref, name).grad
+                torch.testing.assert_close(got[f"lin.{name}"], want)
+
+
 @pytest.mark.multiprocess
 def test_gloo_strategies_match_reference_trajectory(pools):
     names = [n for n in T.STRATEGIES if n != "hsdp"]

@@ -296,7 +296,10 @@ def check_collectives(enabled: bool = True) -> Iterator[None]:
     every collective of this library first all-gathers a small signature (kind, mesh axis,
     shape, dtype, reduction, a hash of the values' description, and its position in the
     sequence of collectives on that axis) and raises ``ValueError`` naming the ranks and the
-    values that disagree, instead of reinterpreting bytes or hanging. :func:`shard
+    values that disagree, instead of reinterpreting bytes or hanging. The FSDP engine's
+    buckets are described by each parameter's name, global shape and spec, so ranks running
+    differently-shaped models are caught even where their buckets have the same size, and
+    the message names the first parameter that differs. :func:`shard
     <functional_fsdp.shard>` also checks that it got the same values on every rank.
 
     It costs one extra small all-gather and one host sync per collective: a debugging aid,
@@ -331,14 +334,27 @@ def _describe_call(
     op: str | None,
     meta: Any,
     seq: int,
+    skip: int = 0,
 ) -> str:
+    """One rank's collective, for a mismatch message; ``skip`` leading items of a sequence
+    ``meta`` that agree on every rank are counted, not shown (the difference shows)."""
     text = f"{kind} #{seq} over {axis!r} of {_dtype_name(dtype)} {tuple(shape)}"
     if op is not None:
         text += f" ({op})"
     if meta is not None:
         extra = repr(meta)
+        if skip and isinstance(meta, (tuple, list)):
+            extra = f"{skip} matching item{'s' if skip > 1 else ''}, then {tuple(meta[skip:])!r}"
         text += f" holding {extra if len(extra) <= 300 else extra[:295] + ' ...'}"
     return text
+
+
+def _agreeing(metas: Sequence[Any]) -> int:
+    """How many leading items the ranks' ``meta`` sequences share (0 unless all are sequences)."""
+    if not all(isinstance(m, (tuple, list)) for m in metas):
+        return 0
+    n = min(len(m) for m in metas)
+    return next((i for i in range(n) if any(m[i] != metas[0][i] for m in metas)), n)
 
 
 def _crc(text: str) -> int:
@@ -418,10 +434,10 @@ def _check_collective(
     rows = _exchange(mine, mesh, axis, what, " (its debug check)").tolist()
     if all(row == rows[0] for row in rows):
         return
-    descriptions: list[Any] = [None] * len(rows)
-    dist.all_gather_object(
-        descriptions, _describe_call(kind, axis, shape, dtype, op, meta, seq), group=group
-    )
+    calls: list[Any] = [None] * len(rows)  # every rank's (kind, axis, ..., meta, seq)
+    dist.all_gather_object(calls, (kind, axis, shape, dtype, op, meta, seq), group=group)
+    skip = _agreeing([call[5] for call in calls])
+    descriptions = [_describe_call(*call, skip=skip) for call in calls]
     sizes = axis_sizes(mesh)
     raise ValueError(
         f"collective mismatch over mesh axis {axis!r} of the mesh {format_mesh(sizes)}: the "

@@ -61,6 +61,9 @@ class UnitPlan:
     last_round: tuple[int, ...]  # per parameter: the round that completes it (-1: none)
     replicated: tuple[tuple[str, ...], ...]  # per parameter: data axes it is replicated over
     gathered_bytes: int  # of the full (padded) parameters, in the gather dtypes
+    # Per round, per piece: "name (global shape) spec", what the debug check of
+    # ff.check_collectives compares between ranks (built once here, read only when it is on).
+    labels: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,6 +227,13 @@ def make_plan(
             last_round=tuple(last_round),
             gathered_bytes=sum(full_bytes),
             replicated=tuple(tuple(a for a in data_axes if a not in specs[n].axes) for n in names),
+            labels=tuple(
+                tuple(
+                    f"{names[p.index]} {layouts[p.index].global_shape} {layouts[p.index].spec}"
+                    for p in rnd.pieces
+                )
+                for rnd in rounds
+            ),
         )
         for n, lay, gd in zip(names, layouts, gdtypes):
             expected[n] = (lay.global_shape, lay.spec, module_params[n].dtype)

@@ -126,7 +126,7 @@ class Unit:
             for r, rnd in enumerate(self.plan.rounds):
                 if rnd.first:
                     inputs = [self.ctx.to_device(plain[p.index]) for p in rnd.pieces]
-                    self.prefetched[r] = self._issue(rnd, [t.to(rnd.dtype) for t in inputs])
+                    self.prefetched[r] = self._issue(r, [t.to(rnd.dtype) for t in inputs])
         self.note("prefetch", phase, self.token)
 
     def drop_prefetch(self, phase: Phase) -> None:
@@ -137,13 +137,16 @@ class Unit:
             self.prefetched.clear()
             self.note("free", phase, self.token)
 
-    def _issue(self, rnd: Round, inputs: list[torch.Tensor]) -> torch.Tensor:
+    def _issue(self, r: int, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order)."""
         flat = (
             inputs[0].reshape(-1)
             if len(inputs) == 1
             else torch.cat([t.reshape(-1) for t in inputs])
         )
-        return C.raw_all_gather(flat, self.ctx.mesh, rnd.axis, counters=self.ctx.counters)
+        plan, ctx = self.plan, self.ctx
+        axis = plan.rounds[r].axis
+        return C.raw_all_gather(flat, ctx.mesh, axis, counters=ctx.counters, meta=plan.labels[r])
 
     def gather(
         self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None] | None = None
@@ -163,7 +166,7 @@ class Unit:
         for r, rnd in enumerate(plan.rounds):
             pending = self.prefetched.pop(r, None)
             if pending is None:
-                pending = self._issue(rnd, [current[p.index] for p in rnd.pieces])
+                pending = self._issue(r, [current[p.index] for p in rnd.pieces])
             gathered = C.wait(pending)  # [n, sum of the pieces' local numels]
             n = rnd.size
             if len(rnd.pieces) == 1 and rnd.pieces[0].dim == 0 and into is None and n > 1:
@@ -213,7 +216,11 @@ class Unit:
         if pre != 1:  # narrow dtypes: divide before the sum can overflow (new buffers)
             current = [g / pre if g is not None else g for g in current]
             incoming = set()
-        rounds = [rnd for rnd in reversed(plan.rounds) if any(i in needed for i in _indices(rnd))]
+        rounds = [
+            (r, rnd)
+            for r, rnd in reversed(list(enumerate(plan.rounds)))
+            if any(i in needed for i in _indices(rnd))
+        ]
         all_reduce = ctx.sync and any(sizes[a] > 1 for i in needed for a in plan.replicated[i])
         # Deferred only for a unit called once: the gradients of several calls are summed
         # (read) by autograd as soon as they arrive.
@@ -225,8 +232,11 @@ class Unit:
             and not all_reduce
             and all(current[i].dtype == dtypes[i] for i in needed)  # type: ignore[union-attr]
         )
-        for rnd in rounds:
+        for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
+            meta = plan.labels[r]
+            if len(pieces) < len(rnd.pieces) and C._CHECK:  # for the debug check only
+                meta = tuple(m for m, p in zip(meta, rnd.pieces) if current[p.index] is not None)
             n = rnd.size
             inputs: list[torch.Tensor] = [current[p.index] for p in pieces]  # type: ignore[misc]
             if all(p.chunked for p in pieces):
@@ -240,12 +250,12 @@ class Unit:
                 flat = torch.cat(rows, dim=1)
             if defer:
                 reduced, finish = C.raw_reduce_scatter_start(
-                    flat, ctx.mesh, rnd.axis, counters=ctx.counters
+                    flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta
                 )
                 self.in_flight.add(_finisher(finish, reduced, post))
             else:
                 reduced = C.wait(
-                    C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters)
+                    C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta)
                 )
             offset = 0
             for p in pieces:

@@ -12,7 +12,7 @@ from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
 from ..spec import P
 from ..tp.styles import Style
 from ._plan import BatchArg, OptimizerArg, PlanReport, plan
-from ._render import comparison_table, plot, text_chart, to_html, to_text
+from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp+tp")
 
@@ -49,11 +49,16 @@ class Comparison:
         return comparison_table(self.reports, gib)
 
     def plot(self, gib: float | None = None, ax: Any = None) -> Any:
-        """Stacked bars of memory per device (matplotlib ``Axes``), with a line at ``gib``.
+        """Stacked bars of memory per device, with a line at ``gib``: :func:`ff.plot_memory
+        <functional_fsdp.plot_memory>` of these reports (a matplotlib ``Axes``).
 
         Without matplotlib, returns the same chart as text (see :meth:`text_chart`).
         """
-        return plot(self.reports, gib, ax)
+        if not have_matplotlib():
+            return text_chart(self.reports, gib)
+        from ..plot import plot_memory  # plot imports this module
+
+        return plot_memory(self, gib=gib, ax=ax)
 
     def text_chart(self, gib: float | None = None) -> str:
         """The chart as text: one bar per report."""

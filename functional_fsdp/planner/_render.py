@@ -1,4 +1,4 @@
-"""Tables (rich), HTML and plots of planner reports (private; ``rich`` and ``matplotlib`` load lazily)."""
+"""Tables (rich), HTML and a text chart of planner reports (private; ``rich`` loads lazily)."""
 
 from __future__ import annotations
 
@@ -108,28 +108,6 @@ def have_matplotlib() -> bool:
     except ImportError:
         return False
     return True
-
-
-def plot(reports: Sequence[PlanReport], gib: float | None = None, ax: Any = None) -> Any:
-    """Stacked bars of :func:`parts` per report (matplotlib), or a text chart without it."""
-    if not have_matplotlib():
-        return text_chart(reports, gib)
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(max(6, 0.9 * len(reports)), 4))
-    labels = [r.name or str(r.mesh) for r in reports]
-    bottom = [0.0] * len(reports)
-    for part in PARTS:
-        values = [parts(r)[part] / 1024**3 for r in reports]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    if gib is not None:
-        ax.axhline(gib, color="black", linestyle="--", linewidth=1, label=f"{gib:g} GiB")
-    ax.set_ylabel("GiB per device")
-    ax.tick_params(axis="x", labelrotation=45)
-    ax.legend(fontsize="small")
-    return ax
 
 
 def text_chart(reports: Sequence[PlanReport], gib: float | None = None, width: int = 50) -> str:
