@@ -32,6 +32,8 @@ import functional_fsdp as ff
 from functional_fsdp.checkpoint import CheckpointError
 from functional_fsdp.train import DonatedStateError
 
+from ._reliability_workers import _unprivileged
+
 P = ff.P
 
 
@@ -199,19 +201,6 @@ def _disk_full_after(budget: int) -> Iterator[None]:
         yield
     finally:
         filesystem.FileSystem.create_stream = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _unprivileged() -> Iterator[None]:
-    """Permission bits bind root too: run as ``nobody`` (effective uid only, reversible)."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
