@@ -205,33 +205,20 @@ def plot_memory(
     width = 0.4 if measured else 0.8
     xs = list(range(len(items)))
     colors = _part_colors()
-    bottom = [0.0] * len(items)
-    bottom_m = [0.0] * len(items)
-    for part in PARTS:
-        heights = [p[part] / size for p in planned]
-        ax.bar(
-            [x - width / 2 if measured else x for x in xs],
-            heights,
-            width,
-            bottom=bottom,
-            label=part,
-            color=colors[part],
-        )
-        bottom = [b + h for b, h in zip(bottom, heights)]
-        if measured:
-            heights = [m.get(part, 0) / size for m in done]
-            ax.bar(
-                [x + width / 2 for x in xs],
-                heights,
-                width,
-                bottom=bottom_m,
-                label=f"_measured {part}",
-                color=colors[part],
-                hatch="//",
-                edgecolor="black",
-                linewidth=0.5,
+    _stacked_bars(
+        ax,
+        xs,
+        width,
+        [
+            (
+                part,
+                colors[part],
+                [p[part] / size for p in planned],
+                [m.get(part, 0) / size for m in done] if measured else None,
             )
-            bottom_m = [b + h for b, h in zip(bottom_m, heights)]
+            for part in PARTS
+        ],
+    )
     if gib is not None:
         ax.axhline(gib * 1024**3 / size, color="black", linestyle="--", linewidth=1)
         ax.text(xs[-1] + 0.5, gib * 1024**3 / size, f" {gib:g} GiB", va="bottom", ha="right")
@@ -290,34 +277,20 @@ def plot_comms(
     width = 0.4 if measured else 0.8
     xs = list(range(len(items)))
     cmap = _pyplot().get_cmap("tab10")
-    bottom = [0.0] * len(items)
-    bottom_m = [0.0] * len(items)
-    for i, key in enumerate(keys):
-        name = f"{key[0]} over {key[1]}"
-        heights = [f.get(key, (0, 0))[1] / size for f in planned]
-        ax.bar(
-            [x - width / 2 if measured else x for x in xs],
-            heights,
-            width,
-            bottom=bottom,
-            label=name,
-            color=cmap(i % 10),
-        )
-        bottom = [b + h for b, h in zip(bottom, heights)]
-        if measured:
-            heights = [f.get(key, (0, 0))[1] / size for f in done]
-            ax.bar(
-                [x + width / 2 for x in xs],
-                heights,
-                width,
-                bottom=bottom_m,
-                label=f"_measured {name}",
-                color=cmap(i % 10),
-                hatch="//",
-                edgecolor="black",
-                linewidth=0.5,
+    bottom, bottom_m = _stacked_bars(
+        ax,
+        xs,
+        width,
+        [
+            (
+                f"{key[0]} over {key[1]}",
+                cmap(i % 10),
+                [f.get(key, (0, 0))[1] / size for f in planned],
+                [f.get(key, (0, 0))[1] / size for f in done] if measured else None,
             )
-            bottom_m = [b + h for b, h in zip(bottom_m, heights)]
+            for i, key in enumerate(keys)
+        ],
+    )
     for x, f, top in zip(xs, planned, bottom):
         ax.text(
             x - width / 2 if measured else x,
@@ -380,3 +353,33 @@ def _finish(ax: Any, xs: list[int], labels: list[str], measured: bool) -> None:
     # beside the bars, not over them; headroom above the tallest bar for its label
     ax.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_ylim(top=ax.get_ylim()[1] * 1.08)
+
+
+def _stacked_bars(
+    ax: Any,
+    xs: list[int],
+    width: float,
+    series: list[tuple[str, Any, list[float], list[float] | None]],
+) -> tuple[list[float], list[float]]:
+    """Stacked bars, one layer per ``(label, color, planned, measured)``; a measured layer
+    (hatched, labelled ``_measured <label>``) stands beside the planned one. Returns the tops."""
+    bottom = [0.0] * len(xs)
+    bottom_m = [0.0] * len(xs)
+    for label, color, planned, measured in series:
+        at = [x - width / 2 if measured is not None else x for x in xs]
+        ax.bar(at, planned, width, bottom=bottom, label=label, color=color)
+        bottom = [b + h for b, h in zip(bottom, planned)]
+        if measured is not None:
+            ax.bar(
+                [x + width / 2 for x in xs],
+                measured,
+                width,
+                bottom=bottom_m,
+                label=f"_measured {label}",
+                color=color,
+                hatch="//",
+                edgecolor="black",
+                linewidth=0.5,
+            )
+            bottom_m = [b + h for b, h in zip(bottom_m, measured)]
+    return bottom, bottom_m

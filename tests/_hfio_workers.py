@@ -12,7 +12,7 @@ from functional_fsdp.models import GPT, lm_loss
 
 from ._deferred_workers import big_llama_config, model_bytes, peak_allocated
 from ._fsdp_workers import CFG
-from ._train_workers import LR, OPT, batches
+from ._train_workers import LR, OPT, adamw_trajectory, batches
 
 # Tiny Llama; vocab 122 does not divide by 4, so world size 4 pads the embedding's rows.
 LLAMA = dict(
@@ -128,16 +128,7 @@ def reference_from_file(file: str, steps: int) -> tuple[list[float], dict]:
     model = GPT(CFG)
     full = load_file(file)
     params = {n: full.get(n, full.get("head.weight")).clone() for n, _ in model.named_parameters()}
-    opt = ff.adamw(LR, **OPT)
-    state, losses = opt.init(params), []
-    for b in batches(steps):
-        grads, loss = torch.func.grad_and_value(
-            lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])
-        )(params)
-        updates, state = opt.update(grads, state, params)
-        params = ff.apply_updates(params, updates)
-        losses.append(loss.item())
-    return losses, params
+    return adamw_trajectory(model, params, steps)
 
 
 def fsdp2_save(path: str, nested: bool) -> dict | None:

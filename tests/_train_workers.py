@@ -38,8 +38,16 @@ def reference_trajectory(steps: int = STEPS) -> tuple[list[float], dict[str, tor
     """Single process, full global batch, ff.adamw on plain tensors."""
     torch.manual_seed(0)
     model = GPT(CFG)
+    return adamw_trajectory(
+        model, {n: p.detach().clone() for n, p in model.named_parameters()}, steps
+    )
+
+
+def adamw_trajectory(
+    model: torch.nn.Module, params: dict[str, torch.Tensor], steps: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` ff.adamw steps of ``model`` from ``params``, one process, full global batch."""
     opt = ff.adamw(LR, **OPT)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
     state, losses = opt.init(params), []
     for b in batches(steps):
         grads, loss = torch.func.grad_and_value(
