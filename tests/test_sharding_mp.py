@@ -195,7 +195,11 @@ def dtensor_round_trips(cases: list[tuple[tuple[int, ...], P]], seed: int) -> li
         ours = unpad(x.local, x.layout, coord)
         results.append(
             {
-                "placements": [repr(p) for p in dt.placements],
+                # (kind, tensor dim, split factor): torch's placement classes, not their reprs.
+                "placements": [
+                    (type(p).__name__.lstrip("_"), p.dim, getattr(p, "split_factor", None))
+                    for p in dt.placements
+                ],
                 "full_ok": torch.equal(dt.full_tensor(), full),
                 "local_is_torchs": torch.equal(dt.to_local(), torch_dt.to_local()),
                 "back_ok": back.spec == x.spec and torch.equal(back.local, x.local),
@@ -385,4 +389,4 @@ def test_2x2_dtensor_round_trip(pools):
         if not all(per_rank[i]["same_rows_as_dtensor"] for per_rank in out)
     }
     assert differ == {9, 10, 11}
-    assert out[0][3]["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    assert out[0][3]["placements"] == [("StridedShard", 0, 2), ("Shard", 0, None)]
