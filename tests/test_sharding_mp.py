@@ -197,7 +197,11 @@ def dtensor_round_trips(cases: list[tuple[tuple[int, ...], P]], seed: int) -> li
             {
                 # (kind, tensor dim, split factor): torch's placement classes, not their reprs.
                 "placements": [
-                    (type(p).__name__.lstrip("_"), p.dim, getattr(p, "split_factor", None))
+                    (
+                        type(p).__name__.lstrip("_"),
+                        getattr(p, "dim", None),
+                        getattr(p, "split_factor", None),
+                    )
                     for p in dt.placements
                 ],
                 "full_ok": torch.equal(dt.full_tensor(), full),
