@@ -19,11 +19,10 @@ how to fix it.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,27 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist.mesh import axis_names, axis_sizes
 from ..spec import P, format_mesh
-from .styles import ColwiseParallel, Forward, LocalAttributes, PrepareInput, Style
+from .styles import (
+    ColwiseParallel,
+    Forward,
+    LocalAttributes,
+    PrepareInput,
+    Style,
+    _attributes_set,
+)
 
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 
 # --------------------------------------------------------------------------- wrappers
-
-
-@contextlib.contextmanager
-def _attributes_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
-    missing = object()
-    saved = {n: module.__dict__.get(n, missing) for n in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
 
 
 @dataclass(frozen=True, eq=False)
