@@ -64,7 +64,7 @@ def llama_plan(
         >>> from types import SimpleNamespace  # or the model's transformers.LlamaConfig
         >>> plan = llama_plan(SimpleNamespace(hidden_size=64, num_attention_heads=4))
         >>> plan["model.layers.*.self_attn.[qkv]_proj"]
-        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None)
+        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None, padded=False)
     """
     problem = _config_problem(config)
     if problem:
@@ -91,6 +91,7 @@ def llama_plan(
         f"{prefix}lm_head": ColwiseParallel(
             input="sequence" if sp else "replicated",
             output="sharded" if loss_parallel else "replicated",
+            padded=True,
         ),
     }
     if sp:

@@ -285,9 +285,11 @@ class ColwiseParallel(Style):
             linear next, or vocab-sharded logits for :func:`vocab_parallel_cross_entropy`);
             ``"replicated"`` all-gathers it (:func:`gather_from`).
 
+        padded: allow ``"sharded"`` outputs whose width tp does not divide (logits).
+
     When tp does not divide the output features (a vocabulary of 50257 on tp=2), the weight's
-    last block is padded: ``"replicated"`` outputs drop the padding, and ``"sharded"`` outputs
-    hold ``-inf`` in the padded features, so a softmax and
+    last block is padded: ``"replicated"`` outputs drop the padding; ``"sharded"`` outputs,
+    with ``padded=True``, hold ``-inf`` in the padded features, so a softmax and
     :func:`vocab_parallel_cross_entropy` ignore them. (A rowwise layer still needs tp to
     divide its input features.)
         sequence_dim: the sequence dim, for ``input="sequence"``.
@@ -296,7 +298,7 @@ class ColwiseParallel(Style):
 
     Example:
         >>> ColwiseParallel(input="prepared", head_dim=16)
-        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None)
+        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None, padded=False)
     """
 
     input: Literal["replicated", "sequence", "prepared"] = "replicated"
@@ -304,6 +306,7 @@ class ColwiseParallel(Style):
     sequence_dim: int = 1
     head_dim: int | None = None
     input_kwarg: str | None = None
+    padded: bool = False
 
     def __post_init__(self) -> None:
         _check_choice(self, "input", self.input, ("replicated", "sequence", "prepared"))
@@ -338,7 +341,13 @@ class ColwiseParallel(Style):
                 f"Use a tp that divides the head count (one of {ok}), or change the number "
                 f"of heads.",
             )
-        return None  # tp need not divide the output features: the last block is padded
+        if out % tp and self.output == "sharded" and not self.padded:
+            return (
+                f"tp={tp} does not divide its {out} output features. Use a tp that divides "
+                f"{out}, or ColwiseParallel(padded=True) for logits (the last block is padded "
+                f"and its padded outputs are -inf), or output='replicated'."
+            )
+        return None
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         lora = _Lora.of(module)
@@ -571,13 +580,107 @@ class SequenceParallel(Style):
     """
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
-        def wrapper(forward: Forward) -> Forward:
-            def sequence_parallel(*args: Any, **kwargs: Any) -> Any:
-                names = [n for n, _ in module.named_parameters()]
-                with _swapped(module, _summed_over_tp(module, names, mesh, axis)):
-                    return forward(*args, **kwargs)
+        return _parameter_gradients_summed(module, mesh, axis)
 
-            return sequence_parallel
+
+def _parameter_gradients_summed(module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+    def wrapper(forward: Forward) -> Forward:
+        def summed(*args: Any, **kwargs: Any) -> Any:
+            names = [n for n, _ in module.named_parameters()]
+            with _swapped(module, _summed_over_tp(module, names, mesh, axis)):
+                return forward(*args, **kwargs)
+
+        return summed
+
+    return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedParallel(Style):
+    """A module with replicated parameters that reads an activation split over tp.
+
+    Each rank's gradient of its parameters is then partial (from its heads or features
+    only), so the parameters enter through :func:`copy_to` and their gradients are summed
+    over tp. For a norm applied per head to head-split queries and keys (Qwen3's and
+    Gemma-3's ``q_norm``/``k_norm``; ``transformers``' ``"replicated_with_grad_allreduce"``).
+    A norm over the whole projection needs the whole features instead: gather them
+    (``ColwiseParallel(output="replicated")``).
+
+    Example:
+        >>> ReplicatedParallel()
+        ReplicatedParallel()
+    """
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        return _parameter_gradients_summed(module, mesh, axis)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallel(Style):
+    """A ``transformers`` mixture-of-experts module (``MixtralExperts``, ``Qwen2MoeExperts``)
+    with its experts split over tp: every expert weight ``P("tp", None, None)``.
+
+    The module is called as ``experts(hidden_states, top_k_index, top_k_weights)`` with the
+    routing computed on every rank. Each rank runs only its own experts: the indices of other
+    ranks' experts become the module's "no expert" value (``num_experts``, which it skips),
+    ``num_experts`` is the local count for the call, and the partial outputs are summed
+    over tp (:func:`reduce_from`). The hidden states and routing weights enter through
+    :func:`copy_to`, so their gradients (and the router's) are summed.
+
+    ``transformers``' own plan splits each expert's intermediate features instead
+    (``"packed_colwise"`` on ``gate_up_proj``, whose gate and up halves are interleaved per
+    rank), a layout a :class:`~functional_fsdp.P` cannot express; splitting whole experts
+    needs only ``P``. Needs the eager experts implementation (``config._experts_implementation``
+    ``None`` or ``"eager"``) and tp dividing the number of experts.
+
+    Example:
+        >>> ExpertParallel()
+        ExpertParallel()
+    """
+
+    def _experts(self, module: nn.Module) -> int | None:
+        n = getattr(module, "num_experts", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
+        n = self._experts(module)
+        return {
+            name: P(axis)
+            for name, p in module.named_parameters(recurse=False)
+            if p.ndim and p.shape[0] == n
+        }
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        n = self._experts(module)
+        if n is None:
+            return (
+                f"ExpertParallel needs a transformers experts module with an integer "
+                f"num_experts (MixtralExperts, Qwen2MoeExperts, ...), not a {type(module).__name__}"
+            )
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl not in (None, "eager"):
+            return (
+                f"its experts implementation is {impl!r}; ExpertParallel runs the eager one "
+                f"(build the model with experts_implementation='eager')"
+            )
+        return _divides("experts", n, tp, "Use a tp that divides the number of experts.")
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        tp = size(mesh, axis)
+        local = (self._experts(module) or 0) // tp
+        signature = inspect.signature(module.forward)
+
+        def wrapper(forward: Forward) -> Forward:
+            def experts(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(*args, **kwargs)
+                x, index, weights = list(bound.arguments.values())[:3]
+                shifted, mine = _local_ids(index, local, mesh, axis)
+                index = torch.where(mine, shifted, torch.full_like(shifted, local))
+                x, weights = copy_to(x, mesh, axis), copy_to(weights, mesh, axis)
+                with _attributes_set(module, {"num_experts": local}):
+                    return reduce_from(forward(x, index, weights), mesh, axis)
+
+            return experts
 
         return wrapper
 
