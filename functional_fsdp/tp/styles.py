@@ -668,12 +668,12 @@ class ExpertParallel(Style):
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         tp = size(mesh, axis)
         local = (self._experts(module) or 0) // tp
-        signature = inspect.signature(module.forward)
+        signature = inspect.signature(type(module).forward)  # (self, hidden, index, weights)
 
         def wrapper(forward: Forward) -> Forward:
             def experts(*args: Any, **kwargs: Any) -> Any:
-                bound = signature.bind(*args, **kwargs)
-                x, index, weights = list(bound.arguments.values())[:3]
+                bound = signature.bind(module, *args, **kwargs)
+                x, index, weights = list(bound.arguments.values())[1:4]
                 shifted, mine = _local_ids(index, local, mesh, axis)
                 index = torch.where(mine, shifted, torch.full_like(shifted, local))
                 x, weights = copy_to(x, mesh, axis), copy_to(weights, mesh, axis)
