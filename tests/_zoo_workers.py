@@ -18,7 +18,7 @@ import functional_fsdp as ff
 from functional_fsdp.models import lm_loss
 from functional_fsdp.train import local_batch
 
-from ._tp_hf_workers import errors, logits_of, ours, reference
+from ._tp_hf_workers import errors, logits_of, ours, reference, with_lora
 from ._zoo import ZOO, Arch
 
 BATCH, SEQ, STEPS, LR = 4, 8, 2, 1e-2
@@ -40,26 +40,12 @@ def fsdp_loss_grads(model: nn.Module, mesh: Any, idx: torch.Tensor, tgt: torch.T
     return ff.all_reduce(loss.detach(), mesh, f.data_axes, op="mean"), ff.gather(grads)
 
 
-def with_lora(model: nn.Module, targets: Any) -> nn.Module:
-    """A peft LoRA model around a copy of ``model``, with non-zero ``lora_B``."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's notes on fan_in_fan_out and transformers'
-        peft_model = get_peft_model(copy.deepcopy(model), config)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    return peft_model
-
-
 def lora_vs_adamw(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
     """``STEPS`` steps of ff.train_step + ff.adamw on LoRA adapters against torch.optim.AdamW
     on the same adapters in one process, on the same global batches."""
-    peft_model = with_lora(model, arch.lora_targets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
+        peft_model = with_lora(model, target_modules=arch.lora_targets)
     ref = copy.deepcopy(peft_model)
     f = ff.fsdp(peft_model, mesh)
     opt = ff.adamw(LR, **OPT)

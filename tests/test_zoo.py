@@ -131,7 +131,7 @@ def test_a_norm_beside_split_outputs_without_a_style_raises(name):
 
 def test_hf_tp_plan_lora_model():
     # A peft model: the plan's paths get peft's prefix; LoRA layers split like their base.
-    model = Z.with_lora(ZOO["qwen3"].build(), ["q_proj", "o_proj", "up_proj", "down_proj"])
+    model = W.with_lora(ZOO["qwen3"].build(), target_modules=["q_proj", "o_proj", "down_proj"])
     plan = ff.hf_tp_plan(model)
     assert isinstance(
         plan["base_model.model.model.layers.0.self_attn.q_norm"], ff.ReplicatedParallel
