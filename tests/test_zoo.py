@@ -147,7 +147,8 @@ def test_hf_tp_plan_errors():
         r"pass require_layer_plan=False to split only the vocabulary",
     ):
         ff.hf_tp_plan(gpt2)
-    assert set(ff.hf_tp_plan(gpt2, require_layer_plan=False)) == {"transformer.wte", "lm_head"}
+    vocab_only = ff.hf_tp_plan(gpt2, require_layer_plan=False)
+    assert set(vocab_only) == {"transformer.wte", "lm_head", ""}  # "": LogitsSplitOverVocab
 
     model = ZOO["llama"].build()
     model.config.base_model_tp_plan = {
@@ -222,3 +223,27 @@ def test_expert_parallel_refuses_another_experts_implementation():
         ),
     ):
         ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model))
+
+
+def test_the_models_own_loss_needs_gathered_logits():
+    # labels= makes transformers compute the loss over the whole vocabulary: refused when the
+    # logits are split, right when they are gathered.
+    model = ZOO["llama"].build()
+    idx, _ = Z.batch(ZOO["llama"])
+    with ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh:
+        for lp in (True, False):
+            tp = ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model, loss_parallel=lp))
+            f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+            if lp:
+                with pytest.raises(
+                    ValueError,
+                    match=r"LlamaForCausalLM was called with labels=, but hf_tp_plan\("
+                    r"loss_parallel=True\) leaves its logits split over the vocabulary on 'tp'.*"
+                    r"hf_tp_plan\(model, loss_parallel=False\)",
+                ):
+                    f.apply(f.shard(), input_ids=idx, labels=idx)
+            else:
+                loss = f.apply(f.shard(), input_ids=idx, labels=idx).loss
+    want = model(input_ids=idx, labels=idx).loss.detach()
+    for value in ff.rank_values(loss):
+        torch.testing.assert_close(value, want)

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .styles import (
     ColwiseParallel,
     ExpertParallel,
+    Forward,
+    ForwardWrapper,
     ReplicatedParallel,
     RowwiseParallel,
     Style,
@@ -160,7 +165,41 @@ def hf_tp_plan(
         if not (kind in _EXPERT_WEIGHT_STYLES and isinstance(plan.get(owner), ExpertParallel)):
             raise _unsupported(name, key, kind, [param], modules)
     _add_vocabulary(inner, plan, loss_parallel, vocab_parallel)
-    return {f"{prefix}{p}": s for p, s in plan.items()}
+    out = {f"{prefix}{p}": s for p, s in plan.items()}
+    if loss_parallel:
+        out[""] = LogitsSplitOverVocab()
+    return out
+
+
+@dataclass(frozen=True)
+class LogitsSplitOverVocab(Style):
+    """On the model: its logits are split over the vocabulary, so its own loss cannot run.
+
+    ``hf_tp_plan(loss_parallel=True)`` puts it on the root module: a call with ``labels=``
+    (``transformers`` computing the loss from the whole vocabulary) raises, naming the fix.
+
+    Example:
+        >>> LogitsSplitOverVocab()
+        LogitsSplitOverVocab()
+    """
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        def wrapper(forward: Forward) -> Forward:
+            def refuse_labels(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("labels") is not None:
+                    raise ValueError(
+                        f"{type(module).__name__} was called with labels=, but hf_tp_plan("
+                        f"loss_parallel=True) leaves its logits split over the vocabulary on "
+                        f"{axis!r}, and the model's own loss needs them whole. Compute the loss "
+                        f"from the split logits: ff.vocab_parallel_cross_entropy(out.logits[:, "
+                        f":-1], labels[:, 1:], mesh), or build the plan with "
+                        f"hf_tp_plan(model, loss_parallel=False)."
+                    )
+                return forward(*args, **kwargs)
+
+            return refuse_labels
+
+        return wrapper
 
 
 def _head_plan(model: nn.Module) -> dict[str, str]:
