@@ -9,7 +9,6 @@ vocabulary of 64 (GPT-2 keeps its own 50257, which tp=2 does not divide).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,4 +249,3 @@ _ARCHS = [
 ]
 
 ZOO: dict[str, Arch] = {a.name: a for a in _ARCHS}
-Builder = Callable[[], nn.Module]

@@ -40,12 +40,15 @@ def fsdp_loss_grads(model: nn.Module, mesh: Any, idx: torch.Tensor, tgt: torch.T
     return ff.all_reduce(loss.detach(), mesh, f.data_axes, op="mean"), ff.gather(grads)
 
 
-def lora_vs_adamw(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
-    """``STEPS`` steps of ff.train_step + ff.adamw on LoRA adapters against torch.optim.AdamW
-    on the same adapters in one process, on the same global batches."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
-        peft_model = with_lora(model, target_modules=arch.lora_targets)
+def train_vs_adamw(model: nn.Module, arch: Arch, mesh: Any, lora: bool = True) -> dict[str, Any]:
+    """``STEPS`` steps of ff.train_step + ff.adamw against torch.optim.AdamW in one process, on
+    the same global batches: on LoRA adapters, or (``lora=False``) on every parameter."""
+    if lora:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
+            peft_model = with_lora(model, target_modules=arch.lora_targets)
+    else:
+        peft_model = copy.deepcopy(model)
     ref = copy.deepcopy(peft_model)
     f = ff.fsdp(peft_model, mesh)
     opt = ff.adamw(LR, **OPT)
@@ -70,12 +73,10 @@ def lora_vs_adamw(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
     full = ff.gather({k: state.params[k] for k in state.trainable})
     theirs = dict(ref.named_parameters())
     return {
-        "lora_loss_diff": loss_diff,
-        "lora_param_diff": max(
-            (v - theirs[k].detach()).abs().max().item() for k, v in full.items()
-        ),
-        "lora_trainable": len(full),
-        "lora_moved": max(
+        "loss_diff": loss_diff,
+        "param_diff": max((v - theirs[k].detach()).abs().max().item() for k, v in full.items()),
+        "trainable": len(full),
+        "moved": max(
             (v - dict(peft_model.named_parameters())[k].detach()).abs().max().item()
             for k, v in full.items()
         ),
@@ -94,6 +95,7 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
 
     - ``"fsdp"``: dp = world size, loss and gathered gradients;
     - ``"lora"``: dp = world size, ``STEPS`` LoRA training steps against torch.optim.AdamW;
+    - ``"train"``: the same on every parameter, for the MoE models (their expert weights);
     - ``"tp"`` / ``"tp_gathered"``: (dp = world / 2, tp = 2) with ``ff.hf_tp_plan``, logits
       split over the vocabulary (``vocab_parallel_cross_entropy``) or gathered.
 
@@ -111,7 +113,10 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
         want = _guarded(reference, model, idx, tgt)
         for mode in modes:
             if mode == "lora":
-                result[mode] = _guarded(lora_vs_adamw, model, arch, dp)
+                result[mode] = _guarded(train_vs_adamw, model, arch, dp)
+            elif mode == "train":  # every parameter, MoE models only (expert weights train)
+                if arch.moe:
+                    result[mode] = _guarded(train_vs_adamw, model, arch, dp, False)
             elif isinstance(want, dict):  # the reference itself failed
                 result[mode] = want
             elif mode == "fsdp":

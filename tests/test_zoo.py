@@ -38,8 +38,9 @@ def _close(result: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(pools):
-    """Every model once per rank: FSDP and LoRA on dp=2, FSDP + TP on dp=1 x tp=2."""
-    return pools.run(2, Z.zoo_checks, list(ZOO), ("fsdp", "lora", "tp"))
+    """Every model once per rank: FSDP and LoRA (full training for MoE) on dp=2, FSDP + TP on
+    dp=1 x tp=2."""
+    return pools.run(2, Z.zoo_checks, list(ZOO), ("fsdp", "lora", "train", "tp"))
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +61,24 @@ def test_fsdp_matches_one_process(two_ranks, name):
 @pytest.mark.parametrize("name", RUNS)
 def test_lora_training_matches_torch_adamw(two_ranks, name):
     for rank in two_ranks:
-        result = rank[name]["lora"]
-        assert "error" not in result, result
-        assert result["lora_loss_diff"] < TOL, result
-        assert result["lora_param_diff"] < LORA_PARAM_TOL, result
-        assert result["lora_moved"] > 100 * LORA_PARAM_TOL, result  # the adapters trained
-        assert result["lora_trainable"] >= 8, result
+        _trained(rank[name]["lora"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [n for n, a in ZOO.items() if a.moe])
+def test_moe_full_training_matches_torch_adamw(two_ranks, name):
+    # Every parameter, expert weights (3-D, sharded over dp on the expert dim) and router too.
+    for rank in two_ranks:
+        _trained(rank[name]["train"])
+        assert rank[name]["train"]["trainable"] == rank[name]["fsdp"]["parameters"]
+
+
+def _trained(result: dict) -> None:
+    assert "error" not in result, result
+    assert result["loss_diff"] < TOL, result
+    assert result["param_diff"] < LORA_PARAM_TOL, result
+    assert result["moved"] > 100 * LORA_PARAM_TOL, result  # the parameters trained
+    assert result["trainable"] >= 8, result
 
 
 @pytest.mark.multiprocess
@@ -106,8 +119,7 @@ def test_gemma_with_the_llama_plan_matches_one_process():
     # The issue's user path: Llama's module names, a tied head and an embedding scaled by
     # sqrt(hidden) in its own forward, which the vocab-parallel embedding used to skip.
     model = ZOO["gemma"].build()
-    for lp in (True, False):
-        _close(_tp_errors(model, llama_plan(model.config, loss_parallel=lp), lp))
+    _close(_tp_errors(model, llama_plan(model.config)))
 
 
 @pytest.mark.parametrize("name", ["olmo2", "qwen3"])
@@ -247,3 +259,13 @@ def test_the_models_own_loss_needs_gathered_logits():
     want = model(input_ids=idx, labels=idx).loss.detach()
     for value in ff.rank_values(loss):
         torch.testing.assert_close(value, want)
+
+
+def test_llama_plan_and_the_models_own_plan_give_one_layout():
+    # llama_plan is the hand-written Llama plan (sequence parallelism, one backward all-reduce
+    # for q, k and v); on a Llama it lays parameters out as hf_tp_plan does.
+    model = ZOO["llama"].build()
+    with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
+        ours = ff.tensor_parallel(model, mesh, llama_plan(model.config)).specs
+        theirs = ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model)).specs
+    assert ours == theirs

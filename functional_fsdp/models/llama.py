@@ -10,6 +10,11 @@ reads the local head count from the shapes and needs no per-rank attributes.
 The same plan serves other decoders with Llama's module names (Mistral, Qwen2, ...), and a
 peft LoRA model (``prefix="base_model.model."``): the colwise and rowwise styles take peft's
 LoRA layers around the projections.
+
+For any other ``transformers`` model, :func:`functional_fsdp.hf_tp_plan` reads the model's own
+plan; on a Llama it gives the same parameter layout. This hand-written plan adds sequence
+parallelism and one backward all-reduce for q, k and v (``PrepareInput``), and needs only the
+config.
 """
 
 from __future__ import annotations
