@@ -102,7 +102,7 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     A mode that raises reports ``{mode: "error"}`` with the message, not a number.
     """
     world = dist.get_world_size()
-    dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora"} & set(modes) else None
+    dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train"} & set(modes) else None
     tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if {"tp", "tp_gathered"} & set(modes) else None
     out: dict[str, dict[str, Any]] = {}
     for name in names:
