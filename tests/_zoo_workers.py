@@ -83,6 +83,16 @@ def train_vs_adamw(model: nn.Module, arch: Arch, mesh: Any, lora: bool = True) -
     }
 
 
+def lora_tp(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
+    """A peft LoRA model with ``ff.hf_tp_plan``: loss and adapter gradients vs one process."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
+        peft_model = with_lora(model, target_modules=arch.lora_targets)
+    idx, tgt = batch(arch)
+    plan = ff.hf_tp_plan(peft_model, require_layer_plan=arch.tp_plan)
+    return errors(ours(peft_model, mesh, plan, idx, tgt), reference(peft_model, idx, tgt))
+
+
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
@@ -97,13 +107,15 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     - ``"lora"``: dp = world size, ``STEPS`` LoRA training steps against torch.optim.AdamW;
     - ``"train"``: the same on every parameter, for the MoE models (their expert weights);
     - ``"tp"`` / ``"tp_gathered"``: (dp = world / 2, tp = 2) with ``ff.hf_tp_plan``, logits
-      split over the vocabulary (``vocab_parallel_cross_entropy``) or gathered.
+      split over the vocabulary (``vocab_parallel_cross_entropy``) or gathered;
+    - ``"lora_tp"``: the same mesh and plan on a peft LoRA model (adapter gradients).
 
     A mode that raises reports ``{mode: "error"}`` with the message, not a number.
     """
     world = dist.get_world_size()
     dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train"} & set(modes) else None
-    tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if {"tp", "tp_gathered"} & set(modes) else None
+    tp_modes = {"tp", "tp_gathered", "lora_tp"}
+    tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if tp_modes & set(modes) else None
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         arch = ZOO[name]
@@ -117,6 +129,8 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
             elif mode == "train":  # every parameter, MoE models only (expert weights train)
                 if arch.moe:
                     result[mode] = _guarded(train_vs_adamw, model, arch, dp, False)
+            elif mode == "lora_tp":
+                result[mode] = _guarded(lora_tp, model, arch, tp)
             elif isinstance(want, dict):  # the reference itself failed
                 result[mode] = want
             elif mode == "fsdp":

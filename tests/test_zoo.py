@@ -45,8 +45,8 @@ def two_ranks(pools):
 
 @pytest.fixture(scope="module")
 def four_ranks(pools):
-    """A few models on dp=2 x tp=2, logits split and gathered."""
-    return pools.run(4, Z.zoo_checks, FEW, ("tp", "tp_gathered"))
+    """A few models on dp=2 x tp=2: logits split and gathered, and with LoRA adapters."""
+    return pools.run(4, Z.zoo_checks, FEW, ("tp", "tp_gathered", "lora_tp"))
 
 
 @pytest.mark.multiprocess
@@ -102,6 +102,7 @@ def test_fsdp_tp_on_2x2_matches_one_process(four_ranks, name):
     for rank in four_ranks:
         _close(rank[name]["tp"])
         _close(rank[name]["tp_gathered"])
+        _close(rank[name]["lora_tp"])  # peft LoRA layers split like their base layers
 
 
 # --------------------------------------------------------------------------- simulated
