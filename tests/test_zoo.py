@@ -270,3 +270,16 @@ def test_llama_plan_and_the_models_own_plan_give_one_layout():
         ours = ff.tensor_parallel(model, mesh, llama_plan(model.config)).specs
         theirs = ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model)).specs
     assert ours == theirs
+
+
+def test_hf_tp_plan_checks_head_counts():
+    model = ZOO["llama"].build()  # 2 key/value heads of 8 features
+    with (
+        ff.simulated_mesh({"tp": 4}) as mesh,
+        pytest.raises(
+            ValueError,
+            match=r"'model\.layers\.0\.self_attn\.k_proj' \(Linear, weight \(16, 32\)\) .* "
+            r"tp=4 does not divide its 2 attention heads \(16 output features, head_dim 8\)",
+        ),
+    ):
+        ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model))

@@ -52,6 +52,8 @@ _STYLES: dict[str, Callable[[], Style]] = {
     "replicated_with_grad_allreduce": ReplicatedParallel,
     "moe_tp_experts": ExpertParallel,
 }
+# Projections split by whole attention heads (checked against the config's head_dim).
+_HEAD_SPLIT = ("q_proj", "k_proj", "v_proj")
 # Styles of single expert weights: the ExpertParallel style of their module places them.
 _EXPERT_WEIGHT_STYLES = ("packed_colwise", "rowwise", "colwise")
 
@@ -139,6 +141,8 @@ def hf_tp_plan(
     params = {n for n, _ in inner.named_parameters(remove_duplicate=False)}
     base_prefix = getattr(inner, "base_model_prefix", "")
     base = f"{base_prefix}." if base_prefix and base_prefix in modules else ""
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", 0)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
     plan: dict[str, Style] = {}
     weights: list[tuple[str, str, str]] = []  # (pattern, kind, parameter path)
     entries = [(f"{base}{k}", k, v) for k, v in base_plan.items()]
@@ -159,7 +163,10 @@ def hf_tp_plan(
             continue
         if kind not in _STYLES:
             raise _unsupported(name, key, kind, hits, modules)
-        plan.update({p: _STYLES[kind]() for p in hits})
+        style = _STYLES[kind]()
+        if kind == "colwise" and key.rpartition(".")[2] in _HEAD_SPLIT and head_dim:
+            style = ColwiseParallel(head_dim=head_dim)  # tp must divide the (key/value) heads
+        plan.update({p: style for p in hits})
     for key, kind, param in weights:
         owner = param.rpartition(".")[0]
         if not (kind in _EXPERT_WEIGHT_STYLES and isinstance(plan.get(owner), ExpertParallel)):
