@@ -93,6 +93,7 @@ from .sharding import reshard as reshard
 from .sharding import shard as shard
 from .spec import Layout as Layout
 from .spec import P as P
+from .tp.hf import hf_tp_plan as hf_tp_plan
 from .tp.ops import copy_to as copy_to
 from .tp.ops import gather_from as gather_from
 from .tp.ops import reduce_from as reduce_from
@@ -102,8 +103,10 @@ from .tp.ops import vocab_parallel_embedding as vocab_parallel_embedding
 from .tp.plan import TensorParallel as TensorParallel
 from .tp.plan import tensor_parallel as tensor_parallel
 from .tp.styles import ColwiseParallel as ColwiseParallel
+from .tp.styles import ExpertParallel as ExpertParallel
 from .tp.styles import LocalAttributes as LocalAttributes
 from .tp.styles import PrepareInput as PrepareInput
+from .tp.styles import ReplicatedParallel as ReplicatedParallel
 from .tp.styles import RowwiseParallel as RowwiseParallel
 from .tp.styles import ScatterInput as ScatterInput
 from .tp.styles import ScatterOutput as ScatterOutput
@@ -128,6 +131,7 @@ __all__ = [
     "Comparison",
     "DonatedStateError",
     "EmptyState",
+    "ExpertParallel",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "Layout",
@@ -141,6 +145,7 @@ __all__ = [
     "Policy",
     "PrepareInput",
     "ProcessPool",
+    "ReplicatedParallel",
     "RowwiseParallel",
     "ScaleByAdamState",
     "ScaleByScheduleState",
@@ -186,6 +191,7 @@ __all__ = [
     "gather_from",
     "global_norm",
     "gpt_plan",
+    "hf_tp_plan",
     "identity",
     "init_distributed",
     "init_sharded",

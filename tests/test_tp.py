@@ -284,12 +284,24 @@ def test_tp_that_does_not_divide_raises():
         {"tp": 4},
         match=r"module '1' .* tp=4 does not divide its 6 input features",
     )
-    _mesh_error(
-        nn.Sequential(nn.Embedding(10, 4)),
-        {"0": VocabParallelEmbedding()},
-        {"tp": 4},
-        match=r"tp=4 does not divide its 10 vocabulary rows\. .*pad the vocabulary",
-    )
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded():
+    # 10 rows on tp=4: blocks of 3, the last holding 1 row and 2 padded ones never looked up.
+    model = nn.Sequential(nn.Embedding(10, 4))
+    ids = torch.arange(10).reshape(2, 5)
+    want, want_grad = torch.func.grad_and_value(
+        lambda p: torch.func.functional_call(model, p, (ids,)).square().sum()
+    )(dict(model.named_parameters()))[::-1]
+    with ff.simulated_mesh({"tp": 4}) as mesh:
+        tp = ff.tensor_parallel(model, mesh, {"0": VocabParallelEmbedding()})
+        f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+        grads, got = torch.func.grad_and_value(lambda p: f.apply(p, ids).square().sum())(f.shard())
+        grads = ff.gather(grads)
+    for value in ff.rank_values(got):
+        torch.testing.assert_close(value, want)
+    for value in ff.rank_values(grads["0.weight"]):
+        torch.testing.assert_close(value, want_grad["0.weight"])
 
 
 def test_head_count_that_tp_does_not_divide_raises():

@@ -10,6 +10,11 @@ reads the local head count from the shapes and needs no per-rank attributes.
 The same plan serves other decoders with Llama's module names (Mistral, Qwen2, ...), and a
 peft LoRA model (``prefix="base_model.model."``): the colwise and rowwise styles take peft's
 LoRA layers around the projections.
+
+For any other ``transformers`` model, :func:`functional_fsdp.hf_tp_plan` reads the model's own
+plan; on a Llama it gives the same parameter layout. This hand-written plan adds sequence
+parallelism and one backward all-reduce for q, k and v (``PrepareInput``), and needs only the
+config.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def llama_plan(
         >>> from types import SimpleNamespace  # or the model's transformers.LlamaConfig
         >>> plan = llama_plan(SimpleNamespace(hidden_size=64, num_attention_heads=4))
         >>> plan["model.layers.*.self_attn.[qkv]_proj"]
-        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None)
+        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None, padded=False)
     """
     problem = _config_problem(config)
     if problem:
@@ -91,6 +96,7 @@ def llama_plan(
         f"{prefix}lm_head": ColwiseParallel(
             input="sequence" if sp else "replicated",
             output="sharded" if loss_parallel else "replicated",
+            padded=True,
         ),
     }
     if sp:

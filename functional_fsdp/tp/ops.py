@@ -33,7 +33,7 @@ from ..dist.simulate import is_simulated, per_coordinate
 from ..spec import format_mesh
 
 
-def _size(mesh: DeviceMesh, axis: str, what: str) -> int:
+def _size(mesh: DeviceMesh, axis: str, what: str = "tensor parallelism") -> int:
     sizes = axis_sizes(mesh)
     if axis not in sizes:
         raise ValueError(
@@ -177,6 +177,26 @@ def gather_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp", dim: int = 
     if n == 1:
         return x
     return _GatherFrom.apply(x, _rank_offset(mesh, axis, 1, x.device), n, mesh, axis, dim)
+
+
+def fill_padding(
+    x: torch.Tensor, total: int, mesh: DeviceMesh, axis: str = "tp", value: float = float("-inf")
+) -> torch.Tensor:
+    """``x``'s last-dim features past ``total`` (the padding of an uneven split) set to ``value``.
+
+    ``x`` is this rank's block of a last dim of ``total`` features split over ``axis`` with
+    the last block padded (ceil division), as :class:`~functional_fsdp.P` pads.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"tp": 2}) as mesh:
+        ...     x = ff.shard(torch.arange(3.0), mesh, ff.P("tp")).local
+        ...     ff.rank_values(fill_padding(x, 3, mesh))[1].tolist()
+        [2.0, -inf]
+    """
+    n = x.shape[-1]
+    index = torch.arange(n, device=x.device) + _rank_offset(mesh, axis, n, x.device)
+    return torch.where(index < total, x, torch.full_like(x, value))
 
 
 # --------------------------------------------------------------------------- vocab parallel

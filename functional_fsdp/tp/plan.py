@@ -19,11 +19,10 @@ how to fix it.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,27 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..dist.mesh import axis_names, axis_sizes
 from ..spec import P, format_mesh
-from .styles import ColwiseParallel, Forward, LocalAttributes, PrepareInput, Style
+from .styles import (
+    ColwiseParallel,
+    Forward,
+    LocalAttributes,
+    PrepareInput,
+    Style,
+    _attributes_set,
+)
 
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 
 # --------------------------------------------------------------------------- wrappers
-
-
-@contextlib.contextmanager
-def _attributes_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
-    missing = object()
-    saved = {n: module.__dict__.get(n, missing) for n in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                delattr(module, name)
-            else:
-                setattr(module, name, value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -307,6 +297,7 @@ def tensor_parallel(
                 f"({type(m).__name__}" + (f", weight {shape}" if shape else "") + f") {style} on "
                 f"{format_mesh(sizes)}, but {problem}"
             )
+    _check_beside_split_outputs(chosen, modules, tp, sizes)
     tp_specs = _param_specs(module, chosen, axis, mesh)
     params = dict(module.named_parameters())
     specs = {n: _with_fsdp(tp_specs[n], params[n].ndim, fsdp_axes) for n in params}
@@ -339,6 +330,45 @@ def _reshape_hints(
         (p, _ReshapeHint(p, tuple(c), tp, chosen[p][1] if p in chosen else None))
         for p, c in parents.items()
     ]
+
+
+def _check_beside_split_outputs(
+    chosen: dict[str, tuple[str, Style]],
+    modules: dict[str, nn.Module],
+    tp: int,
+    sizes: Mapping[str, int],
+) -> None:
+    """Refuse a module with parameters but no style beside colwise linears with split outputs.
+
+    Such a module (a q/k norm in an attention block) most likely reads their split output:
+    with replicated parameters its gradient would be partial on each rank (a silent error),
+    or its shapes would not fit. It must say how it runs: ``ReplicatedParallel()`` (summed
+    gradients) or a gathered input.
+    """
+    parents: dict[str, list[str]] = {}
+    for path, (_, style) in chosen.items():
+        sharded = isinstance(style, ColwiseParallel) and style.output == "sharded"
+        if sharded and not style.padded and "." in path:  # padded: logits, read by the loss
+            parent, _, child = path.rpartition(".")
+            parents.setdefault(parent, []).append(child)
+    for parent, split in parents.items():
+        for name, child in modules[parent].named_children():
+            path = f"{parent}.{name}"
+            styled = any(p == path or p.startswith(path + ".") for p in chosen)
+            params = [(n, tuple(v.shape)) for n, v in child.named_parameters()]
+            if styled or not params:
+                continue
+            raise ValueError(
+                f"tensor_parallel: module {path!r} ({type(child).__name__}, parameters "
+                f"{params[:3]}) has no plan entry, but sits beside colwise linears {split} of "
+                f"{parent!r} whose outputs are split over tp={tp} on {format_mesh(sizes)}. If it "
+                f"reads their split output (a q/k norm), its replicated parameters would get a "
+                f"partial gradient on each rank, or its shapes would not fit. Say how it runs: "
+                f"ReplicatedParallel() if it works per head (its gradient is summed over tp); "
+                f"ColwiseParallel(output='replicated') on {split} and "
+                f"RowwiseParallel(input='replicated') after them if it needs the whole "
+                f"features; LocalAttributes() if it reads only replicated values."
+            )
 
 
 def _prepared_above(path: str, chosen: dict[str, tuple[str, Style]]) -> bool:

@@ -46,7 +46,16 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from ..dist import collectives as C
 from ..dist.simulate import per_coordinate
 from ..spec import P
-from .ops import copy_to, gather_from, reduce_from, scatter_to, vocab_parallel_embedding
+from .ops import (
+    _local_ids,
+    copy_to,
+    fill_padding,
+    gather_from,
+    reduce_from,
+    scatter_to,
+    vocab_parallel_embedding,
+)
+from .ops import _size as size
 
 Forward = Callable[..., Any]
 ForwardWrapper = Callable[[Forward], Forward]
@@ -157,6 +166,23 @@ def _input(
 
 
 @contextlib.contextmanager
+def _attributes_set(module: nn.Module, values: Mapping[str, Any]) -> Iterator[None]:
+    """Module attributes set for the duration of the block, then restored (or removed)."""
+    missing = object()
+    saved = {n: module.__dict__.get(n, missing) for n in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+@contextlib.contextmanager
 def _swapped(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Module tensors (dotted names) replaced for the duration of the block."""
     if not tensors:
@@ -258,13 +284,21 @@ class ColwiseParallel(Style):
         output: ``"sharded"`` keeps the output split along the features (for a rowwise
             linear next, or vocab-sharded logits for :func:`vocab_parallel_cross_entropy`);
             ``"replicated"`` all-gathers it (:func:`gather_from`).
+
+        padded: allow ``"sharded"`` outputs whose width tp does not divide (logits).
+
+    When tp does not divide the output features (a vocabulary of 50257 on tp=2), the weight's
+    last block is padded: ``"replicated"`` outputs drop the padding; ``"sharded"`` outputs,
+    with ``padded=True``, hold ``-inf`` in the padded features, so a softmax and
+    :func:`vocab_parallel_cross_entropy` ignore them. (A rowwise layer still needs tp to
+    divide its input features.)
         sequence_dim: the sequence dim, for ``input="sequence"``.
         head_dim: output features per attention head, to check that tp divides the head count.
         input_kwarg: the keyword the input is passed by, if not the forward's first argument.
 
     Example:
         >>> ColwiseParallel(input="prepared", head_dim=16)
-        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None)
+        ColwiseParallel(input='prepared', output='sharded', sequence_dim=1, head_dim=16, input_kwarg=None, padded=False)
     """
 
     input: Literal["replicated", "sequence", "prepared"] = "replicated"
@@ -272,6 +306,7 @@ class ColwiseParallel(Style):
     sequence_dim: int = 1
     head_dim: int | None = None
     input_kwarg: str | None = None
+    padded: bool = False
 
     def __post_init__(self) -> None:
         _check_choice(self, "input", self.input, ("replicated", "sequence", "prepared"))
@@ -306,16 +341,26 @@ class ColwiseParallel(Style):
                 f"Use a tp that divides the head count (one of {ok}), or change the number "
                 f"of heads.",
             )
-        return _divides(
-            "output features",
-            out,
-            tp,
-            f"Use a tp that divides {out}, or make the layer's width a multiple of {tp}.",
-        )
+        if out % tp and self.output == "sharded" and not self.padded:
+            return (
+                f"tp={tp} does not divide its {out} output features. Use a tp that divides "
+                f"{out}, or ColwiseParallel(padded=True) for logits (the last block is padded "
+                f"and its padded outputs are -inf), or output='replicated'."
+            )
+        return None
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         lora = _Lora.of(module)
         replicated = [f"lora_A.{n}.weight" for n in lora.adapters] if lora else []
+        out = getattr(lora.base if lora else module, "out_features", None)
+
+        def leave(y: torch.Tensor) -> torch.Tensor:
+            if self.output == "replicated":
+                y = gather_from(y, mesh, axis, -1)
+                return y if out is None or y.shape[-1] == out else y[..., :out]
+            if out is None or out % size(mesh, axis) == 0:
+                return y
+            return fill_padding(y, out, mesh, axis, float("-inf"))
 
         def enter(x: torch.Tensor) -> torch.Tensor:
             return _enter(x, self.input, mesh, axis, self.sequence_dim)
@@ -325,7 +370,7 @@ class ColwiseParallel(Style):
                 args, kwargs = _map_input(self, module, self.input_kwarg, args, kwargs, enter)
                 with _swapped(module, _summed_over_tp(module, replicated, mesh, axis)):
                     y = forward(*args, **kwargs)
-                return gather_from(y, mesh, axis, -1) if self.output == "replicated" else y
+                return leave(y)
 
             return colwise
 
@@ -341,23 +386,32 @@ class RowwiseParallel(Style):
     LoRA layer, ``lora_A`` is split like the base weight and ``lora_B`` is replicated (its
     gradient summed over tp); base and LoRA partial outputs are reduced together.
 
+    A subclass of ``nn.Linear`` with its own forward runs that forward on the local blocks
+    (with a zero bias), so it must be linear in its input.
+
     Attributes:
         output: ``"replicated"`` all-reduces the output; ``"sequence"`` reduce-scatters it
             along ``sequence_dim`` into a sequence-parallel region.
         sequence_dim: the sequence dim, for ``output="sequence"``.
         input_kwarg: the keyword the input is passed by, if not the forward's first argument.
+        input: ``"sharded"``: the input arrives split along its last dim; ``"replicated"``:
+            it arrives whole and each rank keeps its block (:func:`scatter_to`), for a
+            colwise layer with ``output="replicated"`` before it (``transformers``'
+            ``"rowwise_split_input"``).
 
     Example:
         >>> RowwiseParallel(output="sequence")
-        RowwiseParallel(output='sequence', sequence_dim=1, input_kwarg=None)
+        RowwiseParallel(output='sequence', sequence_dim=1, input_kwarg=None, input='sharded')
     """
 
     output: Literal["replicated", "sequence"] = "replicated"
     sequence_dim: int = 1
     input_kwarg: str | None = None
+    input: Literal["sharded", "replicated"] = "sharded"
 
     def __post_init__(self) -> None:
         _check_choice(self, "output", self.output, ("replicated", "sequence"))
+        _check_choice(self, "input", self.input, ("sharded", "replicated"))
 
     def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
         lora = _Lora.of(module)
@@ -392,15 +446,22 @@ class RowwiseParallel(Style):
                 bias = copy_to(bias, mesh, axis) if bias is not None else None
             return y if bias is None else y + bias
 
+        plain = lora is None and type(module).forward is nn.Linear.forward
+
+        def split(x: torch.Tensor) -> torch.Tensor:
+            return scatter_to(x, mesh, axis, -1)
+
         def wrapper(forward: Forward) -> Forward:
             def rowwise(*args: Any, **kwargs: Any) -> torch.Tensor:
                 base = lora.base if lora else module  # type: ignore[union-attr]
                 bias = base.bias
-                if lora is None:
+                if self.input == "replicated":
+                    args, kwargs = _map_input(self, module, self.input_kwarg, args, kwargs, split)
+                if plain:
                     x = _input(self, module, self.input_kwarg, args, kwargs)
                     return reduce(F.linear(x, base.weight), bias)
-                # peft's forward on the local blocks gives a partial sum; the bias is added
-                # once, after the reduction.
+                # The module's own forward (peft's, or a subclass's) on the local blocks gives
+                # a partial sum; the bias is added once, after the reduction.
                 swaps = _summed_over_tp(module, replicated, mesh, axis)
                 if bias is not None:
                     swaps[f"{prefix}bias"] = torch.zeros_like(bias)
@@ -421,7 +482,11 @@ class VocabParallelEmbedding(Style):
     """An ``nn.Embedding`` split over its rows (the vocabulary): weight ``P("tp", None)``.
 
     Ids outside a rank's block look up zeros; the partial results are all-reduced (see
-    :func:`vocab_parallel_embedding`). A head tied to this weight takes
+    :func:`vocab_parallel_embedding`). A subclass with its own forward (Gemma's embedding,
+    scaled by sqrt(hidden)) runs that forward on the local rows, with the ids shifted into
+    them, and the rows the rank does not own are zeroed after it: the forward must act on
+    each looked-up row alone (a scale does). A vocabulary that tp does not divide is padded
+    at the end of the last block; the padded rows are never looked up. A head tied to this weight takes
     :class:`ColwiseParallel`, and its vocab-sharded logits go to
     :func:`vocab_parallel_cross_entropy`. A ``padding_idx`` row gets no gradient, as in
     ``nn.Embedding``.
@@ -452,13 +517,30 @@ class VocabParallelEmbedding(Style):
             return _wrong_type(self, module, nn.Embedding, lora=False)
         if module.max_norm is not None:
             return "max_norm is not supported; build the embedding without it"
-        n = module.num_embeddings
-        fix = f"Use a tp that divides {n}, or pad the vocabulary to a multiple of {tp}."
-        return _divides("vocabulary rows", n, tp, fix)
+        return None  # tp need not divide the vocabulary: the last block is padded
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         seq = self.sequence_dim if self.output == "sequence" else None
         pad = module.padding_idx if isinstance(module, nn.Embedding) else None
+        plain = type(module).forward is nn.Embedding.forward
+
+        def own_forward(
+            forward: Forward, weight: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> torch.Tensor:
+            # A subclass's forward (Gemma's embedding scales by sqrt(hidden)) runs on this
+            # rank's rows with ids shifted into them; the rows other ranks own give zero.
+            ids = _input(self, module, self.input_kwarg, args, kwargs)
+            local, inside = _local_ids(ids, weight.shape[0], mesh, axis)
+            args, kwargs = _map_input(self, module, self.input_kwarg, args, kwargs, lambda _: local)
+            with (
+                _swapped(module, {"weight": weight}),
+                _attributes_set(module, {"padding_idx": None}),
+            ):
+                out = forward(*args, **kwargs)
+            out = out * inside.unsqueeze(-1).to(out.dtype)
+            if seq is None:
+                return C.all_reduce(out, mesh, axis)
+            return C.reduce_scatter(out, mesh, axis, seq)
 
         def wrapper(forward: Forward) -> Forward:
             def embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -473,6 +555,8 @@ class VocabParallelEmbedding(Style):
                         ).unsqueeze(-1),
                     )
                     weight = torch.where(frozen, weight.detach(), weight)
+                if not plain:
+                    return own_forward(forward, weight, args, kwargs)
                 return vocab_parallel_embedding(ids, weight, mesh, axis, sequence_dim=seq)
 
             return embedding
@@ -496,13 +580,107 @@ class SequenceParallel(Style):
     """
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
-        def wrapper(forward: Forward) -> Forward:
-            def sequence_parallel(*args: Any, **kwargs: Any) -> Any:
-                names = [n for n, _ in module.named_parameters()]
-                with _swapped(module, _summed_over_tp(module, names, mesh, axis)):
-                    return forward(*args, **kwargs)
+        return _parameter_gradients_summed(module, mesh, axis)
 
-            return sequence_parallel
+
+def _parameter_gradients_summed(module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+    def wrapper(forward: Forward) -> Forward:
+        def summed(*args: Any, **kwargs: Any) -> Any:
+            names = [n for n, _ in module.named_parameters()]
+            with _swapped(module, _summed_over_tp(module, names, mesh, axis)):
+                return forward(*args, **kwargs)
+
+        return summed
+
+    return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedParallel(Style):
+    """A module with replicated parameters that reads an activation split over tp.
+
+    Each rank's gradient of its parameters is then partial (from its heads or features
+    only), so the parameters enter through :func:`copy_to` and their gradients are summed
+    over tp. For a norm applied per head to head-split queries and keys (Qwen3's and
+    Gemma-3's ``q_norm``/``k_norm``; ``transformers``' ``"replicated_with_grad_allreduce"``).
+    A norm over the whole projection needs the whole features instead: gather them
+    (``ColwiseParallel(output="replicated")``).
+
+    Example:
+        >>> ReplicatedParallel()
+        ReplicatedParallel()
+    """
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        return _parameter_gradients_summed(module, mesh, axis)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallel(Style):
+    """A ``transformers`` mixture-of-experts module (``MixtralExperts``, ``Qwen2MoeExperts``)
+    with its experts split over tp: every expert weight ``P("tp", None, None)``.
+
+    The module is called as ``experts(hidden_states, top_k_index, top_k_weights)`` with the
+    routing computed on every rank. Each rank runs only its own experts: the indices of other
+    ranks' experts become the module's "no expert" value (``num_experts``, which it skips),
+    ``num_experts`` is the local count for the call, and the partial outputs are summed
+    over tp (:func:`reduce_from`). The hidden states and routing weights enter through
+    :func:`copy_to`, so their gradients (and the router's) are summed.
+
+    ``transformers``' own plan splits each expert's intermediate features instead
+    (``"packed_colwise"`` on ``gate_up_proj``, whose gate and up halves are interleaved per
+    rank), a layout a :class:`~functional_fsdp.P` cannot express; splitting whole experts
+    needs only ``P``. Needs the eager experts implementation (``config._experts_implementation``
+    ``None`` or ``"eager"``) and tp dividing the number of experts.
+
+    Example:
+        >>> ExpertParallel()
+        ExpertParallel()
+    """
+
+    def _experts(self, module: nn.Module) -> int | None:
+        n = getattr(module, "num_experts", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
+        n = self._experts(module)
+        return {
+            name: P(axis)
+            for name, p in module.named_parameters(recurse=False)
+            if p.ndim and p.shape[0] == n
+        }
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        n = self._experts(module)
+        if n is None:
+            return (
+                f"ExpertParallel needs a transformers experts module with an integer "
+                f"num_experts (MixtralExperts, Qwen2MoeExperts, ...), not a {type(module).__name__}"
+            )
+        impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if impl not in (None, "eager"):
+            return (
+                f"its experts implementation is {impl!r}; ExpertParallel runs the eager one "
+                f"(build the model with experts_implementation='eager')"
+            )
+        return _divides("experts", n, tp, "Use a tp that divides the number of experts.")
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        tp = size(mesh, axis)
+        local = (self._experts(module) or 0) // tp
+        signature = inspect.signature(type(module).forward)  # (self, hidden, index, weights)
+
+        def wrapper(forward: Forward) -> Forward:
+            def experts(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(module, *args, **kwargs)
+                x, index, weights = list(bound.arguments.values())[1:4]
+                shifted, mine = _local_ids(index, local, mesh, axis)
+                index = torch.where(mine, shifted, torch.full_like(shifted, local))
+                x, weights = copy_to(x, mesh, axis), copy_to(weights, mesh, axis)
+                with _attributes_set(module, {"num_experts": local}):
+                    return reduce_from(forward(x, index, weights), mesh, axis)
+
+            return experts
 
         return wrapper
 
