@@ -288,7 +288,11 @@ class FSDP:
                     f"params, buffers = ff.init_sharded(sharded_model) (or FSDP.shard()), or "
                     f"load them: ff.checkpoint.load_safetensors(sharded_model, path)."
                 )
-            if v.global_shape != shape or v.dtype != dtype:
+            compute = self.policy.mixed_precision.param_dtype
+            same_dtype = v.dtype == dtype or (
+                compute is not None and dtype.is_floating_point and v.dtype == compute
+            )  # kept in the compute dtype (ff.master_weights holds the fp32 masters)
+            if v.global_shape != shape or not same_dtype:
                 raise ValueError(
                     f"params[{name!r}] is {v.dtype} {v.global_shape} {v.spec.trimmed()}, but "
                     f"{type(self.module).__name__}'s parameter is {dtype} {shape} "
