@@ -345,13 +345,13 @@ class Call:
             t.untyped_storage().nbytes() if t is not None and real else 0 for t in self.full
         ]
         self.freed = False
-        if unit.plan.rounds:
+        if unit.plan.rounds and unit.replicas is None:  # replicas: nothing is gathered
             unit.note("gather", "forward", self.token, unit.token if prefetched else None)
         return params
 
     def free(self, phase: Phase) -> None:
         """Release the gathered storage (autograd keeps the tensors as empty shells)."""
-        if self.freed or not self.unit.plan.rounds:
+        if self.freed or not self.unit.plan.rounds or self.unit.replicas is not None:
             self.freed = True
             return
         if not self.unit.ctx.simulated:
@@ -363,7 +363,8 @@ class Call:
 
     def regather(self) -> None:
         """Gather again, in place, into the tensors autograd saved in forward."""
-        if not self.freed:
+        if not self.freed or self.unit.replicas is not None:
+            self.freed = False
             return
         unit = self.unit
         prefetched = bool(unit.prefetched)
