@@ -553,9 +553,7 @@ def plan(
     )
     zero1 = zero and accumulate_mode == "local"
     grad_layouts = opt_layouts if zero and not zero1 else layouts
-    grad_bytes = sum(
-        grad_layouts[n].local_numel * rest[n].itemsize for n in layouts if n in train
-    )
+    grad_bytes = sum(grad_layouts[n].local_numel * rest[n].itemsize for n in layouts if n in train)
 
     # ---- gathered parameters
     root = the_plan.units.get("")
@@ -716,7 +714,13 @@ def plan(
             for rnd in rounds:
                 dt = reduce_dtype if reduce_dtype is not None else rnd.dtype
                 nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.size * dt.itemsize
-                comms.add("reduce_scatter", rnd.axis, rnd.size, nbytes, "step", )
+                comms.add(
+                    "reduce_scatter",
+                    rnd.axis,
+                    rnd.size,
+                    nbytes,
+                    "step",
+                )
         rounds = plan_rounds(
             [opt_layouts[n] for n in names], sizes, tuple(wanted), [rest[n] for n in names]
         )
