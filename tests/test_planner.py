@@ -24,12 +24,15 @@ BF16 = ff.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 CASES_2 = {
     "zero3": dict(model="gpt", mesh={"dp": 2}),
-    "zero2": dict(
+    "shard_grad_op": dict(
         model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(reshard_after_forward=False))
     ),
     "ddp": dict(model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P())),
-    "zero1": dict(
-        model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P()), step=dict(opt_specs=ff.P("dp"))
+    "zero1": dict(  # the ZeRO paper's; ZeRO-2 and the bf16 layouts: tests/test_zero.py
+        model="gpt",
+        mesh={"dp": 2},
+        fsdp=dict(specs=ff.P()),
+        step=dict(opt_specs=ff.P("dp"), accumulate_mode="local"),
     ),
     "zero3_bf16": dict(
         model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(mixed_precision=BF16))
@@ -62,6 +65,7 @@ def planned(case: dict) -> ff.planner.PlanReport:
         batch=W.planner_batch(case["model"]),
         optimizer=ff.adamw(1e-3),
         opt_specs=case.get("step", {}).get("opt_specs"),
+        accumulate_mode=case.get("step", {}).get("accumulate_mode", "reduce_each"),
         **kwargs,
     )
 
