@@ -3,7 +3,7 @@
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
 built on ``torch.func.grad_and_value``. The gradient rule lives in :meth:`FSDP.apply` (each
 unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
-global-batch split, gradient accumulation, ZeRO-1 optimizer sharding, metrics and donation.
+global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -494,13 +495,18 @@ def train_step(
             its own share.
         accumulate: split this rank's batch into this many micro-batches.
         accumulate_mode: ``"reduce_each"`` runs the sharded step per micro-batch and adds the
-            reduce-scattered gradients (least memory: only shard-sized gradients); ``"local"``
+            reduce-scattered gradients (least memory: only shard-sized gradients; ZeRO-2 with
+            a ZeRO state); ``"local"`` (ZeRO-1 with a ZeRO state)
             gathers the parameters once, adds full-size gradients locally and reduces once
             per step (least communication: one reduce-scatter instead of ``accumulate``, but
             full parameters and gradients stay in memory for the step).
-        opt_specs: optimizer layout for ZeRO-1: params stay replicated (``P()``), gradients
-            and optimizer state are laid out by these specs (e.g. ``P("dp")``), updated
-            parameters are all-gathered back. ``None``: the parameters' own layout.
+        opt_specs: not needed: the state knows its optimizer layout
+            (``TrainState.create(..., opt_specs=P("dp"))``, ZeRO-1/2). If given, it must agree
+            with the state's, else ``ValueError``. With a state whose parameters are replicated
+            over the data axes and whose optimizer layout shards them, the step is ZeRO-2
+            (``accumulate_mode="reduce_each"``: each unit's gradients reduce-scattered to the
+            optimizer shards during the backward) or ZeRO-1 (``"local"``: full gradients,
+            reduce-scattered once), then one all-gather of the updated parameters: DDP's bytes.
         learning_rate: the schedule (or constant) to report as ``metrics["lr"]``. ``None``:
             the optimizer's own learning rate (see :func:`~functional_fsdp.learning_rate_of`),
             so a schedule is given once, to the optimizer.
@@ -596,7 +602,7 @@ def train_step(
         """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
         each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
         gradients, summed over the micro-batches, reduce-scattered once at the end."""
-        assert model is not None  # checked by _is_zero
+        zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
         replicas = split.train_leaves
         shards = reshard(list(replicas), [spec for _, spec in layout])  # local slices
         micro = split_batch(local, accumulate) if accumulate > 1 else [local]
@@ -605,7 +611,7 @@ def train_step(
             return _check_loss(loss_fn(split.full(t), b))
 
         if accumulate_mode == "local":
-            wrt, scope = replicas, model.no_sync()
+            wrt, scope = replicas, zero_model.no_sync()
         else:
             wrt = shards
             scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
@@ -619,7 +625,7 @@ def train_step(
             total = mean(total, len(micro))
         if accumulate_mode == "local":
             names = [name for name, _ in layout]
-            total = reduce_to_shards(total, shards, names, model.data_axes, model.policy)
+            total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
         return shards, total, loss_sum / len(micro)
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
