@@ -26,7 +26,7 @@ from .dist.mesh import axis_sizes, coordinate_of
 from .dist.simulate import is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
-from .fsdp.zero import gather_replicas, reduce_to_shards
+from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
@@ -604,7 +604,7 @@ def train_step(
         gradients, summed over the micro-batches, reduce-scattered once at the end."""
         zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
         replicas = split.train_leaves
-        shards = reshard(list(replicas), [spec for _, spec in layout])  # local slices
+        shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
         micro = split_batch(local, accumulate) if accumulate > 1 else [local]
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:

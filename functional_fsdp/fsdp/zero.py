@@ -15,6 +15,7 @@ unit made of all the trainable parameters: one collective per data axis and dtyp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,8 @@ from ..dist import collectives as C
 from ..dist.mesh import axis_sizes
 from ..dist.simulate import is_simulated
 from ..sharded import Sharded
+from ..sharding import _cut_block, reshard
+from ..spec import Layout, P
 from .plan import UnitPlan, gather_dtype, plan_rounds
 from .policy import Policy
 from .runtime import mesh_device
@@ -38,15 +41,44 @@ def _unit(
     """A unit holding ``shards`` (the optimizer layout), gathered over ``data_axes``."""
     mesh = shards[0].mesh
     sizes = axis_sizes(mesh)
-    layouts = tuple(s.layout for s in shards)
-    dtypes = tuple(s.dtype for s in shards)
-    gdtypes = [gather_dtype(d, policy.mixed_precision.param_dtype) for d in dtypes]
-    rounds = plan_rounds(layouts, sizes, data_axes, gdtypes)
-    last = [-1] * len(shards)
+    up = _unit_plan(
+        tuple(names),
+        tuple(s.layout for s in shards),
+        tuple(s.dtype for s in shards),
+        tuple(sizes.items()),
+        data_axes,
+        policy.mixed_precision.param_dtype,
+    )
+    ctx = Context(
+        mesh=mesh,
+        sizes=sizes,
+        policy=policy,
+        data_axes=data_axes,
+        counters=C.active_counters(),
+        trackers=(),
+        simulated=is_simulated(),
+        device=mesh_device(mesh),
+    )
+    return Unit(up, ctx, [s.local for s in shards], InFlight())
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_plan(
+    names: tuple[str, ...],
+    layouts: tuple[Layout, ...],
+    dtypes: tuple[torch.dtype, ...],
+    sizes: tuple[tuple[str, int], ...],
+    data_axes: tuple[str, ...],
+    param_dtype: torch.dtype | None,
+) -> UnitPlan:
+    """The plan of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
+    gdtypes = [gather_dtype(d, param_dtype) for d in dtypes]
+    rounds = plan_rounds(layouts, dict(sizes), data_axes, gdtypes)
+    last = [-1] * len(names)
     for r, rnd in enumerate(rounds):
         for p in rnd.pieces:
             last[p.index] = r
-    up = UnitPlan(
+    return UnitPlan(
         name="<zero>",
         names=tuple(names),
         aliases=tuple((n,) for n in names),
@@ -64,17 +96,32 @@ def _unit(
             for rnd in rounds
         ),
     )
-    ctx = Context(
-        mesh=mesh,
-        sizes=sizes,
-        policy=policy,
-        data_axes=data_axes,
-        counters=C.active_counters(),
-        trackers=(),
-        simulated=is_simulated(),
-        device=mesh_device(mesh),
-    )
-    return Unit(up, ctx, [s.local for s in shards], InFlight())
+
+
+def slice_to_shards(replicas: Sequence[Sharded], specs: Sequence[P]) -> list[Sharded]:
+    """This rank's blocks of ``replicas`` (replicated over the axes ``specs`` add): local
+    copies, no communication. What :func:`~functional_fsdp.reshard` does, without its
+    per-value checks (the layouts are the state's own, checked when it was made)."""
+    if is_simulated():
+        return reshard(list(replicas), list(specs))
+    out = []
+    for rep, spec in zip(replicas, specs):
+        mesh = rep.mesh
+        target = spec.padded(len(rep.global_shape))
+        if target == rep.spec.padded(len(rep.global_shape)):
+            out.append(rep)
+            continue
+        sub, dims = _sub_layout(tuple(rep.local.shape), target, tuple(axis_sizes(mesh).items()))
+        local = _cut_block(rep.local, sub, mesh, dims)
+        out.append(Sharded._unchecked(local, rep.global_shape, target, mesh))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _sub_layout(
+    shape: tuple[int, ...], spec: P, sizes: tuple[tuple[str, int], ...]
+) -> tuple[Layout, list[int]]:
+    return Layout.make(shape, spec, dict(sizes)), [d for d in range(len(shape)) if spec.entry(d)]
 
 
 def reduce_to_shards(
@@ -91,7 +138,12 @@ def reduce_to_shards(
     with torch.no_grad():
         reduced = unit.reduce([g.local for g in grads], [s.dtype for s in shards])
     return [
-        s.replace(r.to(s.dtype) if r is not None else torch.zeros_like(s.local))
+        Sharded._unchecked(
+            r.to(s.dtype) if r is not None else torch.zeros_like(s.local),
+            s.global_shape,
+            s.spec,
+            s.mesh,
+        )
         for s, r in zip(shards, reduced)
     ]
 
@@ -114,5 +166,6 @@ def gather_replicas(
             rep.local.copy_(new)
             out.append(rep)
         else:
-            out.append(rep.replace(new if new.is_contiguous() else new.contiguous()))
+            local = new if new.is_contiguous() else new.contiguous()
+            out.append(Sharded._unchecked(local, rep.global_shape, rep.spec, rep.mesh))
     return out
