@@ -99,7 +99,7 @@ def test_gloo_4_ranks_traffic_and_bytes_at_rest_hsdp_and_zero(pools):
 
 @pytest.mark.multiprocess
 def test_gloo_bf16_with_fp32_masters_follows_the_fp32_run_and_checkpoints_keep_them(pools):
-    results = pools.run(2, W.bf16_runs, ["ddp", "zero1", "zero2", "zero3"], 10)[0]
+    results = pools.run(2, W.bf16_runs, ["ddp", "zero1", "zero2"], 10)[0]
     for name, r in results.items():
         # The masters are what fp32 parameters computing in bf16 would be, bit for bit ...
         assert r["vs_fp32_params"] == (0.0, 0.0), (name, r)
