@@ -371,8 +371,10 @@ def fsdp(
     """Describe how to run ``module`` fully sharded over ``mesh``.
 
     Strategies are spec and policy choices: ``specs=P("dp")`` (the default on a ``dp`` mesh)
-    is FSDP/ZeRO-3; add ``Policy(reshard_after_forward=False)`` for ZeRO-2; ``specs=P()``
-    is DDP; on a ``{"replicate": r, "shard": s}`` mesh the default ``P("shard")`` is HSDP.
+    is FSDP/ZeRO-3; add ``Policy(reshard_after_forward=False)`` for FSDP's SHARD_GRAD_OP;
+    ``specs=P()`` is DDP, and with ``TrainState.create(..., opt_specs=P("dp"))`` the ZeRO
+    paper's ZeRO-1/2; on a ``{"replicate": r, "shard": s}`` mesh the default ``P("shard")``
+    is HSDP.
 
     Args:
         module: any ``nn.Module`` (its parameters may be on ``meta``); it is never modified.
