@@ -1,12 +1,17 @@
-"""One GPT training step (forward, backward, SGD update): functional_fsdp vs torch FSDP2.
+"""One GPT training step (forward, backward, SGD update): functional_fsdp vs torch FSDP2,
+and the ZeRO paper's ZeRO-1/2 vs DDP.
 
 The library's step (under ``torch.func.grad_and_value``, and under plain ``loss.backward()``)
 and torch FSDP2's run in the same processes on the same model, batch and mesh, in rotation
-step by step (each in every position) so that machine noise hits them alike. Prints, as a
-Markdown table ready for the README: the median step time and the ratio, the collectives and
-bytes each rank sends per step, and the peak memory a step adds on top of the resting process.
+step by step (each in every position) so that machine noise hits them alike. With ``--zero``
+the rotation also holds ``ff.train_step`` with replicated parameters as DDP, ZeRO-1 and ZeRO-2
+(optimizer state sharded, gradients reduce-scattered, parameters all-gathered) and torch's
+``DistributedDataParallel``. Prints, as a Markdown table ready for the README: the median step
+time and the ratios, the collectives and bytes each rank sends per step, and the peak memory
+a step adds on top of the resting process.
 
     torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py [--steps 30] [--layers 4] [--width 256]
+    torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py --zero     # + DDP, ZeRO-1, ZeRO-2
 """
 
 from __future__ import annotations
@@ -87,6 +92,43 @@ def _step_peak_mib(step: Callable[[], None]) -> float:
     return _rss_mib("VmHWM") - before
 
 
+def _replicated_steps(
+    model: torch.nn.Module, mesh: Any, lr: float
+) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """``ff.train_step`` with replicated parameters as DDP, ZeRO-1 and ZeRO-2, and torch DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    replicated = ff.fsdp(model, mesh, specs=ff.P())
+    opt = ff.sgd(lr)
+
+    def loss_fn(p: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(replicated.apply(p, b[0]), b[1])
+
+    out: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {}
+    for name, opt_specs, mode in (
+        ("DDP (train_step)", None, "reduce_each"),
+        ("ZeRO-1 (train_step)", ff.P("dp"), "local"),
+        ("ZeRO-2 (train_step)", ff.P("dp"), "reduce_each"),
+    ):
+        step = ff.train_step(loss_fn, opt, model=replicated, batch="local", accumulate_mode=mode)
+        holder = {"state": ff.TrainState.create(replicated.shard(), opt, opt_specs=opt_specs)}
+
+        def run(x: torch.Tensor, y: torch.Tensor, step: Any = step, holder: Any = holder) -> None:
+            holder["state"], _ = step(holder["state"], (x, y))
+
+        out[name] = run
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+
+    def torch_ddp_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        lm_loss(ddp(x), y).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+
+    out["torch DDP"] = torch_ddp_step
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -94,6 +136,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--zero", action="store_true", help="add DDP, ZeRO-1 and ZeRO-2")
     args = parser.parse_args()
 
     ff.init_distributed()
@@ -148,6 +191,8 @@ def main() -> None:
         "functional_fsdp (autograd)": ours_autograd_step,
         "torch FSDP2": fsdp2_step,
     }
+    if args.zero:
+        systems.update(_replicated_steps(model, mesh, lr))
     g = torch.Generator().manual_seed(rank)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +215,7 @@ def main() -> None:
     x, y = batch()
     comms: dict[str, dict[str, list[int]]] = {}
     for name, fn in systems.items():
-        if name == "torch FSDP2":
+        if name.startswith("torch"):
             counting = _CountC10d(world)
             with counting:
                 fn(x, y)
@@ -208,6 +253,8 @@ def _report(
     row("median step time (ms)", lambda n: f"{med[n]:.1f}")
     row("interquartile range (ms)", lambda n: f"{quart[n][0] * 1e3:.0f} – {quart[n][2] * 1e3:.0f}")
     row("step time / torch FSDP2", lambda n: f"{med[n] / med['torch FSDP2']:.3f}")
+    if "DDP (train_step)" in med:
+        row("step time / DDP (train_step)", lambda n: f"{med[n] / med['DDP (train_step)']:.3f}")
     for kind in _KINDS:
         if any(comms[n].get(kind, [0, 0])[0] for n in names):
             count = {n: comms[n].get(kind, [0, 0]) for n in names}

@@ -5,7 +5,7 @@ nothing is downloaded. Every rank builds the same model and the same global batc
 step keeps each rank's share, so the loss is the global-batch mean.
 
     torchrun --nproc-per-node 2 examples/train_gpt.py                     # FSDP (ZeRO-3)
-    torchrun --nproc-per-node 2 examples/train_gpt.py --strategy zero2    # or ddp, zero1
+    torchrun --nproc-per-node 2 examples/train_gpt.py --strategy zero2    # or ddp, zero1, shard_grad_op
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replicate=2,shard=2
     torchrun --nproc-per-node 2 examples/train_gpt.py --mixed-precision bf16
 
@@ -33,7 +33,9 @@ from tqdm import tqdm
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
-STRATEGIES = ("fsdp", "zero2", "zero1", "ddp")
+# zero1/zero2 are the ZeRO paper's (params replicated, optimizer state sharded, DDP's traffic);
+# shard_grad_op is FSDP's (params sharded, gathered once in forward and kept for backward).
+STRATEGIES = ("fsdp", "shard_grad_op", "zero2", "zero1", "ddp")
 
 
 def parse_args() -> argparse.Namespace:
@@ -78,15 +80,16 @@ def main() -> None:
     mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}), device_type=device.type)
     bf16 = args.mixed_precision == "bf16"
     policy = ff.Policy(
-        reshard_after_forward=args.strategy != "zero2",
+        reshard_after_forward=args.strategy != "shard_grad_op",
         mixed_precision=ff.MixedPrecision(
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         ),
     )
-    replicated = args.strategy in ("ddp", "zero1")
+    replicated = args.strategy in ("ddp", "zero1", "zero2")
     sharded_model = ff.fsdp(model, mesh, policy=policy, specs=ff.P() if replicated else None)
-    opt_specs = ff.P(sharded_model.data_axes[-1]) if args.strategy == "zero1" else None
+    zero = args.strategy in ("zero1", "zero2")
+    opt_specs = ff.P(sharded_model.data_axes[-1]) if zero else None
 
     schedule = ff.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10
@@ -95,6 +98,8 @@ def main() -> None:
     optimizer = ff.chain(
         ff.clip_by_global_norm(1.0), ff.adamw(schedule, weight_decay=0.1, mask=no_decay)
     )
+    if bf16 and replicated:  # bf16 replicas; fp32 masters with the (sharded) optimizer state
+        optimizer = ff.master_weights(optimizer, param_dtype=torch.bfloat16)
 
     def loss_fn(params, batch):
         return lm_loss(sharded_model.apply(params, batch[:, :-1]), batch[:, 1:])
@@ -104,7 +109,7 @@ def main() -> None:
         optimizer,
         model=sharded_model,
         accumulate=args.accumulate,
-        opt_specs=opt_specs,
+        accumulate_mode="local" if args.strategy == "zero1" else "reduce_each",
         learning_rate=schedule,
     )
     state = ff.TrainState.create(sharded_model.shard(), optimizer, opt_specs=opt_specs)

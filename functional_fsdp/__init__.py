@@ -49,6 +49,8 @@ from .optim.clipping import clip_by_global_norm as clip_by_global_norm
 from .optim.clipping import global_norm as global_norm
 from .optim.finite import ApplyIfFiniteState as ApplyIfFiniteState
 from .optim.finite import apply_if_finite as apply_if_finite
+from .optim.masters import MasterWeightsState as MasterWeightsState
+from .optim.masters import master_weights as master_weights
 from .optim.schedules import Schedule as Schedule
 from .optim.schedules import constant_schedule as constant_schedule
 from .optim.schedules import cosine_decay_schedule as cosine_decay_schedule
@@ -137,6 +139,7 @@ __all__ = [
     "Layout",
     "LocalAttributes",
     "MaskedState",
+    "MasterWeightsState",
     "MemoryEvent",
     "MemoryTracker",
     "MixedPrecision",
@@ -203,6 +206,7 @@ __all__ = [
     "llama_plan",
     "make_mesh",
     "masked",
+    "master_weights",
     "partition",
     "plan",
     "plot_comms",

@@ -3,7 +3,7 @@
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
 built on ``torch.func.grad_and_value``. The gradient rule lives in :meth:`FSDP.apply` (each
 unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
-global-batch split, gradient accumulation, ZeRO-1 optimizer sharding, metrics and donation.
+global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,13 +20,16 @@ import torch
 import torch.distributed as dist
 
 from ._partition import module_trainable, names_of, partition, trainable_names
-from ._tree import NAMESPACE, keystr, tree_leaves
+from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .dist import collectives as C
 from .dist.mesh import axis_sizes, coordinate_of
 from .dist.simulate import is_simulated, per_coordinate
+from .fsdp import runtime
 from .fsdp.api import FSDP
+from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .optim._tree import donating
 from .optim.clipping import global_norm
+from .optim.masters import MasterWeightsState, param_dtype_of
 from .optim.schedules import Schedule
 from .optim.transforms import (
     GradientTransformation,
@@ -35,7 +39,7 @@ from .optim.transforms import (
     report_fn,
 )
 from .sharded import Sharded
-from .sharding import reshard
+from .sharding import reshard, resolve_specs
 from .spec import P, format_mesh
 
 Batch = Any
@@ -64,11 +68,14 @@ class TrainState:
     Attributes:
         params: all parameters, trainable and frozen (a pytree of ``Sharded``, in their
             at-rest layout): what ``loss_fn`` and :meth:`FSDP.apply` take.
-        opt_state: the optimizer state, built on the trainable parameters only (for ZeRO-1
+        opt_state: the optimizer state, built on the trainable parameters only (for ZeRO-1/2
             laid out by the optimizer specs).
         step: completed optimizer steps (an int, or a 0-dim integer tensor).
         trainable: the dotted names of the trainable leaves of ``params``, or ``None`` when
             all are trainable. Static: part of the pytree structure, not a leaf.
+        opt_specs: the optimizer layout given to :meth:`create` (``((dotted name, P), ...)``
+            per trainable leaf), or ``None``: the parameters' own. ``train_step`` reads it, so
+            it is given once. Static, like ``trainable``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -78,7 +85,7 @@ class TrainState:
         (0, ['lora'], ['lora'])
     """
 
-    __slots__ = ("_donated_at", "_opt_state", "_params", "_step", "_trainable")
+    __slots__ = ("_donated_at", "_opt_specs", "_opt_state", "_params", "_step", "_trainable")
 
     def __init__(
         self,
@@ -86,9 +93,11 @@ class TrainState:
         opt_state: Any,
         step: int = 0,
         trainable: frozenset[str] | None = None,
+        opt_specs: tuple[tuple[str, P], ...] | None = None,
     ) -> None:
         self._params, self._opt_state, self._step = params, opt_state, step
         self._trainable = None if trainable is None else frozenset(trainable)
+        self._opt_specs = opt_specs
         self._donated_at: int | None = None
 
     @staticmethod
@@ -104,13 +113,17 @@ class TrainState:
         Args:
             params: all parameters (trainable and frozen), in their at-rest layout.
             optimizer: initialised on the trainable part of ``params`` (or on its
-                ``opt_specs`` layout).
+                ``opt_specs`` layout). Under :func:`~functional_fsdp.master_weights` it gets
+                the parameters as given (fp32 masters start exact) and the state keeps the
+                trainable ones in the wrapper's ``param_dtype``.
             trainable: which parameters train (see :func:`functional_fsdp.partition`): pass
                 the ``FSDP`` description (or the module) to train the parameters with
                 ``requires_grad=True``; or dotted names, a predicate ``fn(path, leaf)``, a
                 tree of bools. ``None``: all of them.
-            opt_specs: for ZeRO-1, the optimizer-state layout (the same value passed to
-                :func:`train_step`), e.g. ``P("dp")`` with replicated ``P()`` params.
+            opt_specs: for ZeRO-1/2, the optimizer-state layout, e.g. ``P("dp")`` with
+                replicated ``P()`` params: gradients are reduce-scattered to it, the optimizer
+                steps its shard, and the updated parameters are all-gathered (2Ψ per step,
+                as DDP). Given here only: :func:`train_step` reads it from the state.
 
         Raises:
             ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
@@ -137,9 +150,20 @@ class TrainState:
         train = params if names is None else partition(params, names)[0]
         paths, leaves, _ = optree.tree_flatten_with_path(train)
         _check_differentiable(paths, leaves, "TrainState.create", names is None)
+        layout = None
         if opt_specs is not None:
             train = reshard(train, restrict_specs(opt_specs, train))
-        return TrainState(params, optimizer.init(train), 0, names)
+            layout = _layout_of(train)
+        opt_state = optimizer.init(train)
+        dtype = param_dtype_of(optimizer)
+        if dtype is not None:  # master_weights: the trainable params in the compute dtype
+            split = _Split(params, names)
+            params = split.full([_cast(x, dtype) for x in split.train_leaves])
+        return TrainState(params, opt_state, 0, names, layout)
+
+    @property
+    def opt_specs(self) -> tuple[tuple[str, P], ...] | None:
+        return self._opt_specs
 
     def _alive(self) -> None:
         if self._donated_at is not None:
@@ -207,6 +231,22 @@ def _short_repr(x: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, Sharded) and x.dtype.is_floating_point:
+        return x.replace(x.local.to(dtype))
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.to(dtype)
+    return x
+
+
+def _layout_of(tree: Any) -> tuple[tuple[str, P], ...]:
+    """``((dotted name, spec), ...)`` of the ``Sharded`` leaves of ``tree``, in leaf order."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return tuple(
+        (dotted(p), v.spec if isinstance(v, Sharded) else P()) for p, v in zip(paths, leaves)
+    )
+
+
 def restrict_specs(specs: Any, tree: Any) -> Any:
     """``specs`` without the dict keys that ``tree`` lacks (specs written for all params)."""
     if isinstance(specs, dict) and isinstance(tree, dict):
@@ -214,17 +254,16 @@ def restrict_specs(specs: Any, tree: Any) -> Any:
     return specs
 
 
-def _flatten_state(
-    s: TrainState,
-) -> tuple[tuple[Any, Any, int], frozenset[str] | None, tuple[str, str, str]]:
+def _flatten_state(s: TrainState) -> tuple[tuple[Any, Any, int], Any, tuple[str, str, str]]:
     s._alive()
-    return (s._params, s._opt_state, s._step), s._trainable, ("params", "opt_state", "step")
+    static = (s._trainable, s._opt_specs)
+    return (s._params, s._opt_state, s._step), static, ("params", "opt_state", "step")
 
 
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
-    lambda trainable, children: TrainState(*children, trainable=trainable),
+    lambda static, children: TrainState(*children, trainable=static[0], opt_specs=static[1]),
     namespace=NAMESPACE,
 )
 
@@ -456,13 +495,18 @@ def train_step(
             its own share.
         accumulate: split this rank's batch into this many micro-batches.
         accumulate_mode: ``"reduce_each"`` runs the sharded step per micro-batch and adds the
-            reduce-scattered gradients (least memory: only shard-sized gradients); ``"local"``
+            reduce-scattered gradients (least memory: only shard-sized gradients; ZeRO-2 with
+            a ZeRO state); ``"local"`` (ZeRO-1 with a ZeRO state)
             gathers the parameters once, adds full-size gradients locally and reduces once
             per step (least communication: one reduce-scatter instead of ``accumulate``, but
             full parameters and gradients stay in memory for the step).
-        opt_specs: optimizer layout for ZeRO-1: params stay replicated (``P()``), gradients
-            and optimizer state are laid out by these specs (e.g. ``P("dp")``), updated
-            parameters are all-gathered back. ``None``: the parameters' own layout.
+        opt_specs: not needed: the state knows its optimizer layout
+            (``TrainState.create(..., opt_specs=P("dp"))``, ZeRO-1/2). If given, it must agree
+            with the state's, else ``ValueError``. With a state whose parameters are replicated
+            over the data axes and whose optimizer layout shards them, the step is ZeRO-2
+            (``accumulate_mode="reduce_each"``: each unit's gradients reduce-scattered to the
+            optimizer shards during the backward) or ZeRO-1 (``"local"``: full gradients,
+            reduce-scattered once), then one all-gather of the updated parameters: DDP's bytes.
         learning_rate: the schedule (or constant) to report as ``metrics["lr"]``. ``None``:
             the optimizer's own learning rate (see :func:`~functional_fsdp.learning_rate_of`),
             so a schedule is given once, to the optimizer.
@@ -552,6 +596,38 @@ def train_step(
             (total,) = pullback(total)
         return total, loss_sum / len(micro)
 
+    def zero_grads_and_loss(
+        split: _Split, local: Batch, layout: tuple[tuple[str, P], ...]
+    ) -> tuple[list[Sharded], list[Sharded], torch.Tensor]:
+        """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
+        each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
+        gradients, summed over the micro-batches, reduce-scattered once at the end."""
+        zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
+        replicas = split.train_leaves
+        shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
+        micro = split_batch(local, accumulate) if accumulate > 1 else [local]
+
+        def checked(t: list[Any], b: Batch) -> torch.Tensor:
+            return _check_loss(loss_fn(split.full(t), b))
+
+        if accumulate_mode == "local":
+            wrt, scope = replicas, zero_model.no_sync()
+        else:
+            wrt = shards
+            scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
+        total, loss_sum = None, 0.0
+        with scope:
+            for mb in micro:
+                g, loss = torch.func.grad_and_value(checked)(wrt, mb)
+                total = g if total is None else add(total, g)
+                loss_sum = loss_sum + loss.detach()
+        if len(micro) > 1:
+            total = mean(total, len(micro))
+        if accumulate_mode == "local":
+            names = [name for name, _ in layout]
+            total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
+        return shards, total, loss_sum / len(micro)
+
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         params, opt_state, count = state.params, state.opt_state, state.step
         if model is not None and state.trainable is None:
@@ -567,20 +643,26 @@ def train_step(
             "train_step",
             state.trainable is None,
         )
-        grad_leaves, loss = grads_and_loss(split, local)
-        grads = split.train_def.unflatten(grad_leaves)
-        train = split.train
+        layout = _opt_layout(state, split, opt_specs)
+        zero = layout is not None and _is_zero(model, split, layout)
         at_rest = None
-        if opt_specs is not None:  # ZeRO-1: slice gradients and params to the optimizer layout
-            at_rest = optree.tree_map(
-                lambda v: v.spec if isinstance(v, Sharded) else None,
-                train,
-                is_leaf=lambda v: isinstance(v, Sharded),
-                none_is_leaf=True,
-            )
-            specs = restrict_specs(opt_specs, train)
-            grads = reshard(grads, specs)
-            train = reshard(train, specs)
+        if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
+            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout)
+            train = split.train_def.unflatten(shard_leaves)
+            grads = split.train_def.unflatten(grad_leaves)
+        else:
+            grad_leaves, loss = grads_and_loss(split, local)
+            grads = split.train_def.unflatten(grad_leaves)
+            train = split.train
+            if layout is not None:  # another layout: slice gradients and params to it
+                at_rest = optree.tree_map(
+                    lambda v: v.spec if isinstance(v, Sharded) else None,
+                    train,
+                    is_leaf=lambda v: isinstance(v, Sharded),
+                    none_is_leaf=True,
+                )
+                grads = reshard(grads, split.train_def.unflatten(layout))
+                train = reshard(train, split.train_def.unflatten(layout))
         norm = global_norm(grads)
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
@@ -598,22 +680,86 @@ def train_step(
             state._donated_at = count
         with donating() if donate else contextlib.nullcontext():
             updates, new_opt_state = optimizer.update(grads, opt_state, train, **extra)
-        if donate:
+        in_place = donate and not zero  # ZeRO's shards are the step's own copies
+        if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
+            new_train = _from_masters(train, new_opt_state.master, in_place)
+        elif in_place:
             new_train = _apply_in_place(train, updates)
-            new_opt_state = _donate_into(opt_state, new_opt_state)
         else:
             new_train = apply_updates(train, updates)
-        if at_rest is not None:
+        if donate:
+            new_opt_state = _donate_into(opt_state, new_opt_state)
+        if zero:  # one bucketed all-gather of the updated shards (into the old replicas)
+            new_leaves = gather_replicas(
+                split.train_def.flatten_up_to(new_train),
+                split.train_leaves,
+                [name for name, _ in layout],
+                model.data_axes,
+                into=donate,
+            )
+            new_train = split.train_def.unflatten(new_leaves)
+        elif at_rest is not None:
             new_train = reshard(new_train, at_rest)
         # Frozen leaves are the input's own objects: never copied, never written.
         new_params = split.full(split.train_def.flatten_up_to(new_train))
-        new_state = TrainState(new_params, new_opt_state, count + 1, state.trainable)
+        new_state = TrainState(
+            new_params, new_opt_state, count + 1, state.trainable, state.opt_specs
+        )
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
         if report is not None:
             metrics.update(report(new_opt_state))
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step
+
+
+def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:
+    """The optimizer layout of ``state`` (``None``: the parameters' own); ``asked``, the
+    ``train_step(opt_specs=...)`` of older code, must agree with it."""
+    layout = state.opt_specs
+    if asked is None:
+        return layout
+    specs = resolve_specs(split.train, restrict_specs(asked, split.train))
+    if layout is None:
+        first = next(iter(names_of(split.train)), "?")
+        raise ValueError(
+            f"train_step(opt_specs=...): this TrainState was created without opt_specs, so "
+            f"its optimizer state is laid out like the parameters (e.g. {first!r}), not by "
+            f"{_short_repr(asked)}. The state knows its layout: create it with "
+            f"ff.TrainState.create(params, optimizer, opt_specs={_short_repr(asked)}) and "
+            f"leave opt_specs out of train_step."
+        )
+    for (name, have), want in zip(layout, specs):
+        if want is not None and want.padded(len(have)) != have.padded(len(want)):
+            raise ValueError(
+                f"train_step(opt_specs=...): gives {name!r} the optimizer layout {want}, but "
+                f"the TrainState was created with {have}. The state knows its layout: leave "
+                f"opt_specs out of train_step."
+            )
+    return layout
+
+
+def _is_zero(model: FSDP | None, split: _Split, layout: tuple[tuple[str, P], ...]) -> bool:
+    """ZeRO-1/2: every trainable parameter replicated over the data axes at rest, and the
+    optimizer layout sharding some over them."""
+    if model is None:
+        return False
+    data = set(model.data_axes)
+    leaves = split.train_leaves
+    if not all(isinstance(v, Sharded) and not data & set(v.spec.axes) for v in leaves):
+        return False
+    return any(data & set(spec.axes) for _, spec in layout)
+
+
+def _from_masters(train: Any, master: Any, in_place: bool) -> Any:
+    """``train`` with the values of the masters, cast to its dtypes (into it if asked)."""
+    p, treedef = optree.tree_flatten(train, namespace=NAMESPACE)
+    m = tree_leaves(master)
+    if in_place:
+        with torch.no_grad():
+            torch._foreach_copy_(p, m)
+        return train
+    return optree.tree_unflatten(treedef, [x.to(y.dtype) for x, y in zip(m, p)])
 
 
 def _one_value(value: Any) -> Any:

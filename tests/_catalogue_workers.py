@@ -169,6 +169,18 @@ def _step(ctx: Ctx, per_example: bool = False, **kwargs: Any) -> tuple[Any, Any]
     return ff.train_step(loss, opt, model=sm, **kwargs), ff.TrainState.create(sm.shard(), opt)
 
 
+def _zero_step(ctx: Ctx, create_specs: Any, step_specs: Any) -> Any:
+    """ZeRO on an MLP: replicated params, a state created with ``create_specs``, a step built
+    with ``train_step(opt_specs=step_specs)``; runs one step."""
+    sm = ff.fsdp(mlp(), ctx.mesh, specs=P())
+    opt = ff.adamw(0.1)
+    step = ff.train_step(
+        lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm, opt_specs=step_specs
+    )
+    state = ff.TrainState.create(sm.shard(), opt, opt_specs=create_specs)
+    return step(state, _batch(4))
+
+
 def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return torch.randn(n, 8, generator=gen), torch.randn(n, 4, generator=gen)
@@ -919,6 +931,30 @@ CASES: list[Case] = [
         ("loss_fn must return a scalar tensor", "got (2,)", "return loss.mean()"),
         _loss_not_scalar,
         real=True,
+    ),
+    Case(
+        "zero_opt_specs_only_in_step",
+        "train_step(opt_specs=P('dp')) with a state created without opt_specs",
+        ValueError,
+        (
+            "train_step(opt_specs=...): this TrainState was created without opt_specs",
+            "laid out like the parameters (e.g. '0.bias'), not by P('dp')",
+            "ff.TrainState.create(params, optimizer, opt_specs=P('dp'))",
+            "leave opt_specs out of train_step",
+        ),
+        lambda ctx: _zero_step(ctx, None, P("dp")),
+        real=True,
+    ),
+    Case(
+        "zero_opt_specs_disagree",
+        "train_step(opt_specs=P()) with a state created with opt_specs=P('dp')",
+        ValueError,
+        (
+            "train_step(opt_specs=...): gives '0.bias' the optimizer layout P()",
+            "the TrainState was created with P('dp')",
+            "leave opt_specs out of train_step",
+        ),
+        lambda ctx: _zero_step(ctx, P("dp"), P()),
     ),
     Case(
         "donated_state_reused",

@@ -95,8 +95,9 @@ def measure(case: dict) -> dict:
     def loss_fn(p: Any, b: Any) -> torch.Tensor:
         return lm_loss(logits_of(call(kind, f, p, b[0])), b[1])
 
+    opt_specs = step_kwargs.pop("opt_specs", None)  # the state's, given once
     step = ff.train_step(loss_fn, opt, model=f, **step_kwargs)
-    state = ff.TrainState.create(f.shard(), opt, opt_specs=step_kwargs.get("opt_specs"))
+    state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
     with ff.count_comms() as comms, track_memory() as memory:
         new_state, _ = step(state, (ids, tgt))
 

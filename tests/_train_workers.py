@@ -17,15 +17,27 @@ LR = 1e-2
 # turns its rounding noise into O(lr) updates on both sides of a comparison.
 OPT = dict(weight_decay=0.1, eps=1e-6)
 
+# (mesh, ff.fsdp kwargs, train_step kwargs; "opt_specs" goes to TrainState.create only)
+ZERO1 = dict(opt_specs=ff.P("dp"), accumulate_mode="local")  # the ZeRO paper's stages
+ZERO2 = dict(opt_specs=ff.P("dp"))
 STRATEGIES = {
     "ddp": ({"dp": 2}, dict(specs=ff.P()), {}),
-    "zero1": ({"dp": 2}, dict(specs=ff.P()), dict(opt_specs=ff.P("dp"))),
-    "zero2": ({"dp": 2}, dict(policy=ff.Policy(reshard_after_forward=False)), {}),
+    "zero1": ({"dp": 2}, dict(specs=ff.P()), ZERO1),
+    "zero2": ({"dp": 2}, dict(specs=ff.P()), ZERO2),
+    "zero1_accumulate": ({"dp": 2}, dict(specs=ff.P()), dict(ZERO1, accumulate=2)),
+    "zero2_accumulate_donate": (
+        {"dp": 2},
+        dict(specs=ff.P()),
+        dict(ZERO2, accumulate=2, donate=True),
+    ),
+    "shard_grad_op": ({"dp": 2}, dict(policy=ff.Policy(reshard_after_forward=False)), {}),
     "zero3": ({"dp": 2}, {}, {}),
     "hsdp": ({"replicate": 2, "shard": 2}, {}, {}),
     "zero3_accumulate_local": ({"dp": 2}, {}, dict(accumulate=2, accumulate_mode="local")),
     "zero3_accumulate_each": ({"dp": 2}, {}, dict(accumulate=2)),
     "zero3_donate": ({"dp": 2}, {}, dict(donate=True)),
+    "zero1_dp4": ({"dp": 4}, dict(specs=ff.P()), ZERO1),
+    "zero2_dp4": ({"dp": 4}, dict(specs=ff.P()), ZERO2),
 }
 
 
@@ -61,6 +73,8 @@ def adamw_trajectory(
 
 def run_strategy(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     axes, fsdp_kwargs, step_kwargs = STRATEGIES[name]
+    step_kwargs = dict(step_kwargs)
+    opt_specs = step_kwargs.pop("opt_specs", None)
     torch.manual_seed(0)
     model = GPT(CFG)
     mesh = ff.make_mesh(axes)
@@ -69,7 +83,7 @@ def run_strategy(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     step = ff.train_step(
         lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f, **step_kwargs
     )
-    state = ff.TrainState.create(f.shard(), opt, opt_specs=step_kwargs.get("opt_specs"))
+    state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
     losses = []
     for b in batches():
         state, metrics = step(state, b)

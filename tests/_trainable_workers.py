@@ -148,7 +148,7 @@ VARIANTS = {
     "clip": ({}, {}),
     "accumulate_each": ({}, dict(accumulate=2)),
     "accumulate_local": ({}, dict(accumulate=2, accumulate_mode="local")),
-    "zero1": (dict(specs=ff.P()), dict(opt_specs=ff.P("dp"))),
+    "zero2": (dict(specs=ff.P()), dict(opt_specs=ff.P("dp"))),  # the ZeRO paper's
     "donate": ({}, dict(donate=True)),
 }
 MAX_NORM = 0.05  # small enough that every step clips
@@ -180,6 +180,8 @@ def mlp_reference(variant: str, steps: int = STEPS) -> dict:
 
 def run_mlp(variant: str) -> dict:
     fsdp_kwargs, step_kwargs = VARIANTS[variant]
+    step_kwargs = dict(step_kwargs)
+    opt_specs = step_kwargs.pop("opt_specs", None)  # the state's, given once
     model = frozen_mlp()
     mesh = ff.make_mesh({"dp": 2})
     world = torch.distributed.get_world_size()
@@ -190,9 +192,7 @@ def run_mlp(variant: str) -> dict:
     )
     params = sm.shard()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # = sm.trainable
-    state = ff.TrainState.create(
-        params, opt, trainable=trainable, opt_specs=step_kwargs.get("opt_specs")
-    )
+    state = ff.TrainState.create(params, opt, trainable=trainable, opt_specs=opt_specs)
     frozen = {k: v for k, v in params.items() if k not in trainable}
     frozen_before = {k: v.local.clone() for k, v in frozen.items()}
     ref = mlp_reference(variant)
@@ -217,6 +217,10 @@ def run_mlp(variant: str) -> dict:
     adam = state.opt_state[1][0] if variant == "clip" else state.opt_state[0]
     out["mu_keys"] = sorted(adam.mu)
     out["mu_specs"] = sorted({str(v.spec.trimmed()) for v in adam.mu.values()})
+    # Onto the optimizer's shards (ZeRO-2: not the replicated params' layout).
+    out["opt_rs_bytes"] = sum(
+        v.local.numel() * v.local.element_size() * (world - 1) for v in adam.mu.values()
+    )
     out["trainable"] = sorted(trainable)
     return out
 

@@ -15,7 +15,7 @@ from . import _fsdp_workers as W
 
 POLICIES = {
     "zero3": ff.Policy(),
-    "zero2": ff.Policy(reshard_after_forward=False),
+    "shard_grad_op": ff.Policy(reshard_after_forward=False),  # FSDP's "ZeRO-2"
     "checkpoint": ff.Policy(checkpoint=True),
     "prefetch2": ff.Policy(prefetch=2),
 }
@@ -192,7 +192,7 @@ def test_forward_holds_at_most_one_plus_prefetch_units(prefetch):
     assert memory.peak_bytes <= unit_bytes[""] + (1 + prefetch) * peak_block
 
 
-def test_zero2_keeps_every_unit_until_its_backward():
+def test_shard_grad_op_keeps_every_unit_until_its_backward():
     memory, units, _ = _stack_memory({"dp": 2}, ff.Policy(reshard_after_forward=False))
     forward_end = max(i for i, e in enumerate(memory.events) if e.phase == "forward")
     assert set(memory.events[forward_end].live_units) == {"", *units}

@@ -24,12 +24,15 @@ BF16 = ff.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 CASES_2 = {
     "zero3": dict(model="gpt", mesh={"dp": 2}),
-    "zero2": dict(
+    "shard_grad_op": dict(
         model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(reshard_after_forward=False))
     ),
     "ddp": dict(model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P())),
-    "zero1": dict(
-        model="gpt", mesh={"dp": 2}, fsdp=dict(specs=ff.P()), step=dict(opt_specs=ff.P("dp"))
+    "zero1": dict(  # the ZeRO paper's; ZeRO-2 and the bf16 layouts: tests/test_zero.py
+        model="gpt",
+        mesh={"dp": 2},
+        fsdp=dict(specs=ff.P()),
+        step=dict(opt_specs=ff.P("dp"), accumulate_mode="local"),
     ),
     "zero3_bf16": dict(
         model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(mixed_precision=BF16))
@@ -62,6 +65,7 @@ def planned(case: dict) -> ff.planner.PlanReport:
         batch=W.planner_batch(case["model"]),
         optimizer=ff.adamw(1e-3),
         opt_specs=case.get("step", {}).get("opt_specs"),
+        accumulate_mode=case.get("step", {}).get("accumulate_mode", "reduce_each"),
         **kwargs,
     )
 
@@ -204,12 +208,17 @@ def test_compare_strategies_side_by_side_and_fits():
         hsdp_shard=4,
     )
     names = [r.name for r in cmp.reports]
-    assert names == ["ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp+tp"]
-    ddp, zero1, zero2, zero3 = (cmp[n] for n in names[:4])
-    assert ddp.param_bytes == zero1.param_bytes > zero3.param_bytes == zero2.param_bytes
-    assert zero1.opt_state_bytes < ddp.opt_state_bytes
-    assert zero2.gathered_peak_bytes > zero3.gathered_peak_bytes
-    assert zero3.comm_bytes("all_gather") == 2 * zero2.comm_bytes("all_gather")
+    assert names == ["ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp"]
+    ddp, zero1, zero2, sgo, zero3 = (cmp[n] for n in names[:5])
+    assert ddp.param_bytes == zero1.param_bytes == zero2.param_bytes > zero3.param_bytes
+    assert sgo.param_bytes == zero3.param_bytes
+    assert ddp.grad_bytes == zero1.grad_bytes > zero2.grad_bytes == zero3.grad_bytes
+    assert zero1.opt_state_bytes == zero2.opt_state_bytes < ddp.opt_state_bytes
+    assert sgo.gathered_peak_bytes > zero3.gathered_peak_bytes
+    assert zero3.comm_bytes("all_gather") == 2 * sgo.comm_bytes("all_gather")
+    # The paper's ZeRO-1/2 move DDP's bytes (the scalars of the loss and norm aside).
+    assert abs(zero1.comm_bytes() - ddp.comm_bytes()) <= 8
+    assert abs(zero2.comm_bytes() - ddp.comm_bytes()) <= 8
     assert cmp["hsdp"].comm_bytes("all_reduce", "replicate") > 0
     gib = (zero3.peak_bytes + ddp.peak_bytes) / 2 / 1024**3
     assert "zero3" in cmp.fits(gib) and "ddp" not in cmp.fits(gib)
@@ -219,6 +228,56 @@ def test_compare_strategies_side_by_side_and_fits():
     assert chart.count("\n") >= len(names) and "GiB" in chart
     assert "<table" in cmp._repr_html_() or "<pre" in cmp._repr_html_()
     assert [d["name"] for d in cmp.to_dict()] == names
+
+
+def test_compare_strategies_reproduces_the_zero_paper_table():
+    """Rajbhandari et al. 2020, Table 1: Ψ = 7.5B, N = 64, mixed-precision Adam (K = 12)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from functional_fsdp.planner._compare import paper_bytes
+
+    paper = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    assert {s: round(paper_bytes(s, 7_500_000_000, 64) / 1e9, 1) for s in paper} == paper
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=10880,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        vocab_size=33024,  # Ψ = 7.4997B; every dim 0 divides by 64: no padding
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    bf16 = ff.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    cmp = compare_strategies(model, 64, mixed_precision=bf16, strategies=(*paper, "hsdp"))
+    psi = cmp["ddp"].params
+    assert abs(psi - 7.5e9) < 0.01e9
+    for name, figure in paper.items():
+        # Our layout at rest equals the paper's formula for this model ...
+        assert cmp[name].at_rest_bytes == pytest.approx(cmp.paper[name], rel=1e-9), name
+        # ... and rounds to the paper's own figure.
+        assert round(cmp[name].at_rest_bytes / 1e9, 1) == figure, name
+    assert "hsdp" not in cmp.paper
+    text = str(cmp)
+    assert "vs the ZeRO paper" in text and "31.4" in text and "16.6" in text
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 110
+    row = next(line for line in lines if line.lstrip("│ ").startswith("zero2") and "16.6" in line)
+    assert row.split()[-2:] == ["16.6", "│"] or "16.6" in row
+
+
+def test_str_of_plan_and_comparison_is_an_aligned_table():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    report = plan(model, {"dp": 2}, batch=(4, 8), name="zero3")
+    cmp = compare_strategies(model, 4, strategies=("ddp", "zero3"))
+    for text in (str(report), str(cmp)):
+        assert "PlanReport(" not in text and "Comparison(" not in text
+        tables = [t for t in text.split("└") if "│" in t]  # each table's rows share a width
+        assert tables
+        for table in tables:
+            rows = [line for line in table.splitlines() if line.startswith("│")]
+            assert rows and len({len(line) for line in rows}) == 1
+    assert "gathered peak" in str(report) and "zero3" in str(cmp)
 
 
 def test_report_renders_as_table_html_and_data():

@@ -194,7 +194,7 @@ def test_2d_communication_per_axis():
 @pytest.mark.parametrize(
     "policy",
     [ff.Policy(reshard_after_forward=False), ff.Policy(checkpoint=True, prefetch=2)],
-    ids=["zero2", "checkpoint"],
+    ids=["shard_grad_op", "checkpoint"],
 )
 def test_policies_compose_with_tp(policy):
     model = W.new_model()

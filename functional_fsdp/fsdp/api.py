@@ -288,7 +288,11 @@ class FSDP:
                     f"params, buffers = ff.init_sharded(sharded_model) (or FSDP.shard()), or "
                     f"load them: ff.checkpoint.load_safetensors(sharded_model, path)."
                 )
-            if v.global_shape != shape or v.dtype != dtype:
+            compute = self.policy.mixed_precision.param_dtype
+            same_dtype = v.dtype == dtype or (
+                compute is not None and dtype.is_floating_point and v.dtype == compute
+            )  # kept in the compute dtype (ff.master_weights holds the fp32 masters)
+            if v.global_shape != shape or not same_dtype:
                 raise ValueError(
                     f"params[{name!r}] is {v.dtype} {v.global_shape} {v.spec.trimmed()}, but "
                     f"{type(self.module).__name__}'s parameter is {dtype} {shape} "
@@ -367,8 +371,10 @@ def fsdp(
     """Describe how to run ``module`` fully sharded over ``mesh``.
 
     Strategies are spec and policy choices: ``specs=P("dp")`` (the default on a ``dp`` mesh)
-    is FSDP/ZeRO-3; add ``Policy(reshard_after_forward=False)`` for ZeRO-2; ``specs=P()``
-    is DDP; on a ``{"replicate": r, "shard": s}`` mesh the default ``P("shard")`` is HSDP.
+    is FSDP/ZeRO-3; add ``Policy(reshard_after_forward=False)`` for FSDP's SHARD_GRAD_OP;
+    ``specs=P()`` is DDP, and with ``TrainState.create(..., opt_specs=P("dp"))`` the ZeRO
+    paper's ZeRO-1/2; on a ``{"replicate": r, "shard": s}`` mesh the default ``P("shard")``
+    is HSDP.
 
     Args:
         module: any ``nn.Module`` (its parameters may be on ``meta``); it is never modified.

@@ -51,7 +51,9 @@ class Policy:
     Attributes:
         reshard_after_forward: free gathered parameters after each unit's forward and gather
             them again in backward (ZeRO-3, the default); ``False`` keeps them until backward
-            (ZeRO-2 / "shard grad op"), one all-gather per unit instead of two.
+            (FSDP's SHARD_GRAD_OP, often called ZeRO-2; the ZeRO paper's ZeRO-2 keeps
+            parameters replicated, see ``TrainState.create(opt_specs=...)``), one all-gather
+            per unit instead of two.
         prefetch: how many next units' all-gathers are issued ahead, in forward and backward.
         mixed_precision: see :class:`MixedPrecision`.
         checkpoint: recompute each unit's activations in backward (activation checkpointing):
@@ -70,7 +72,7 @@ class Policy:
             off the mesh's device are copied this way under any policy.
 
     Example:
-        >>> Policy(reshard_after_forward=False, prefetch=2)  # ZeRO-2, two units ahead
+        >>> Policy(reshard_after_forward=False, prefetch=2)  # SHARD_GRAD_OP, two units ahead
         Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean', offload=False)
     """
 

@@ -18,10 +18,12 @@ them (without Python's cycle collector).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,9 +46,27 @@ from .functions import (
 from .memory import Phase, active_trackers
 from .plan import Plan, UnitPlan
 from .policy import ModuleWrapper, Policy
-from .units import Call, Context, InFlight, Unit
+from .units import Call, Context, InFlight, Unit, _plain
 
 Slot = tuple["weakref.ReferenceType[nn.Module]", str]  # (module copy, attribute name)
+
+# ZeRO-1/2 (train_step): {id of a differentiated shard: the full value held at rest}. A unit
+# whose gathered parameters all have one computes with those instead of all-gathering; its
+# backward still reduce-scatters onto the shards. Set only around a step's loss function.
+_REPLICAS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "functional_fsdp_replicas", default=None
+)
+
+
+@contextlib.contextmanager
+def replicas(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Inside the block, ``apply`` computes with ``full`` for a parameter whose shard is
+    ``shard`` (``(shard, full)`` pairs; the shard object itself, as passed to ``apply``)."""
+    token = _REPLICAS.set({**(_REPLICAS.get() or {}), **{id(s): f for s, f in pairs}})
+    try:
+        yield
+    finally:
+        _REPLICAS.reset(token)
 
 
 def copy_modules(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, nn.Module]:
@@ -172,6 +192,10 @@ def run(
         name: Unit(up, ctx, [params[n].local for n in up.names], in_flight)
         for name, up in plan.units.items()
     }
+    known = _REPLICAS.get()
+    if known:
+        for unit in units.values():
+            _use_replicas(unit, known)
     if not ctx.sync:
         _check_unsynced(units)
     if not ctx.simulated and not torch.is_anomaly_enabled():
@@ -352,6 +376,16 @@ def _set_buffers(
                 f"are {known[:8]}."
             )
         module._buffers[attr] = t
+
+
+def _use_replicas(unit: Unit, known: dict[int, torch.Tensor]) -> None:
+    """Give ``unit`` the replicas of its gathered parameters, if every one has one."""
+    gathered = {p.index for rnd in unit.plan.rounds for p in rnd.pieces}
+    if not gathered:
+        return
+    found = [known.get(id(_plain(s))) for s in unit.shards]
+    if all(found[i] is not None for i in gathered):
+        unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
 
 
 def _check_unsynced(units: dict[str, Unit]) -> None:

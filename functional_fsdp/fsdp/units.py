@@ -109,6 +109,10 @@ class Unit:
         self.calls = 0  # invocations in this forward
         self.prefetched: dict[int, torch.Tensor] = {}  # round index -> async all-gather result
         self.token = next(_TOKENS)  # names this unit's prefetched buffers in memory trackers
+        # ZeRO-1/2: the full values of the gathered parameters, held at rest by the caller
+        # (set by run when every gathered parameter has one): used instead of all-gathers,
+        # never freed; the backward still reduce-scatters onto the shards.
+        self.replicas: list[torch.Tensor | None] | None = None
 
     def note(self, kind: EventKind, phase: Phase, key: int, replaces: int | None = None) -> None:
         for tracker in self.ctx.trackers:
@@ -119,7 +123,7 @@ class Unit:
 
     def prefetch(self, phase: Phase) -> None:
         """Issue the first-round all-gathers asynchronously (no wait)."""
-        if self.prefetched or not self.plan.rounds:
+        if self.prefetched or not self.plan.rounds or self.replicas is not None:
             return
         plain = [_plain(s) for s in self.shards]
         with torch.no_grad(), torch._C._DisableFuncTorch():
@@ -163,6 +167,11 @@ class Unit:
             s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in current
         ]
         full: list[torch.Tensor | None] = [None] * len(current)
+        if self.replicas is not None:  # held at rest: nothing to gather, nothing to free
+            for i, rep in enumerate(self.replicas):
+                if rep is not None:
+                    current[i] = rep if rep.dtype == current[i].dtype else rep.to(current[i].dtype)
+            return full, current
         for r, rnd in enumerate(plan.rounds):
             pending = self.prefetched.pop(r, None)
             if pending is None:
@@ -336,13 +345,13 @@ class Call:
             t.untyped_storage().nbytes() if t is not None and real else 0 for t in self.full
         ]
         self.freed = False
-        if unit.plan.rounds:
+        if unit.plan.rounds and unit.replicas is None:  # replicas: nothing is gathered
             unit.note("gather", "forward", self.token, unit.token if prefetched else None)
         return params
 
     def free(self, phase: Phase) -> None:
         """Release the gathered storage (autograd keeps the tensors as empty shells)."""
-        if self.freed or not self.unit.plan.rounds:
+        if self.freed or not self.unit.plan.rounds or self.unit.replicas is not None:
             self.freed = True
             return
         if not self.unit.ctx.simulated:
@@ -354,7 +363,8 @@ class Call:
 
     def regather(self) -> None:
         """Gather again, in place, into the tensors autograd saved in forward."""
-        if not self.freed:
+        if not self.freed or self.unit.replicas is not None:
+            self.freed = False
             return
         unit = self.unit
         prefetched = bool(unit.prefetched)

@@ -1,20 +1,51 @@
-"""Strategies side by side: DDP, ZeRO-1/2/3, HSDP and FSDP+TP priced by :func:`plan`."""
+"""Strategies side by side: DDP, ZeRO-1/2/3, SHARD_GRAD_OP, HSDP and FSDP+TP priced by
+:func:`plan`, next to the ZeRO paper's own accounting where it applies.
+
+The ZeRO paper (Rajbhandari et al., 2020, Table 1) prices mixed-precision Adam per device as
+(2 + 2 + K)Ψ for DDP, 2Ψ + 2Ψ + KΨ/N for ZeRO-1, 2Ψ + (2 + K)Ψ/N for ZeRO-2 and
+(2 + 2 + K)Ψ/N for ZeRO-3, with K = 12 (fp32 masters, momentum and variance) and Ψ
+parameters: 120 / 31.4 / 16.6 / 1.9 GB for Ψ = 7.5B on N = 64.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
+from ..optim.masters import master_weights as wrap_masters
 from ..spec import P
 from ..tp.styles import Style
-from ._plan import BatchArg, OptimizerArg, PlanReport, plan
+from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, plan
 from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "fsdp+tp")
+STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp")
+
+# The ZeRO paper's bytes per parameter per device: (replicated, divided by N), K = 12.
+PAPER_K = 12
+_PAPER = {
+    "ddp": (2 + 2 + PAPER_K, 0),
+    "zero1": (2 + 2, PAPER_K),
+    "zero2": (2, 2 + PAPER_K),
+    "zero3": (0, 2 + 2 + PAPER_K),
+}
+
+
+def paper_bytes(strategy: str, params: int, world_size: int) -> float | None:
+    """The ZeRO paper's per-device bytes for ``strategy`` (mixed-precision Adam, K = 12).
+
+    Example:
+        >>> [round(paper_bytes(s, 7_500_000_000, 64) / 1e9, 1) for s in ("ddp", "zero1", "zero2", "zero3")]
+        [120.0, 31.4, 16.6, 1.9]
+    """
+    if strategy not in _PAPER:
+        return None
+    replicated, divided = _PAPER[strategy]
+    return params * (replicated + divided / world_size)
 
 
 @dataclass(frozen=True)
@@ -23,6 +54,8 @@ class Comparison:
 
     Attributes:
         reports: the reports, in order.
+        paper: ``{strategy: bytes}``, the ZeRO paper's figure per device for the strategies
+            it prices (for mixed-precision Adam with fp32 masters; empty otherwise).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -33,6 +66,7 @@ class Comparison:
     """
 
     reports: tuple[PlanReport, ...]
+    paper: dict[str, float] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> PlanReport:
         for r in self.reports:
@@ -46,7 +80,7 @@ class Comparison:
 
     def table(self, gib: float | None = None) -> Any:
         """A ``rich`` table: memory parts, peak and traffic per report."""
-        return comparison_table(self.reports, gib)
+        return comparison_table(self.reports, gib, self.paper)
 
     def plot(self, gib: float | None = None, ax: Any = None) -> Any:
         """Stacked bars of memory per device, with a line at ``gib``: :func:`ff.plot_memory
@@ -75,6 +109,9 @@ class Comparison:
     def __rich__(self) -> Any:
         return self.table()
 
+    def __str__(self) -> str:
+        return self.summary()
+
     def _repr_html_(self) -> str:
         return to_html(self.table())
 
@@ -93,13 +130,19 @@ def compare_strategies(
     checkpoint: bool | Callable[[str], bool] = False,
     prefetch: int = 1,
     optimizer: OptimizerArg = "adamw",
+    master_weights: bool | None = None,
     loss_fn: Any = "lm",
 ) -> Comparison:
     """Price the standard strategies for ``model`` on ``world_size`` devices with :func:`plan`.
 
     * ``"ddp"``: ``{"dp": N}``, ``specs=P()``.
-    * ``"zero1"``: as DDP, optimizer state ``P("dp")`` (``opt_specs``).
-    * ``"zero2"``: ``{"dp": N}``, ``Policy(reshard_after_forward=False)``.
+    * ``"zero1"`` (the ZeRO paper's): as DDP, optimizer state ``P("dp")`` (``opt_specs``),
+      full gradients reduce-scattered once per step (``accumulate_mode="local"``).
+    * ``"zero2"`` (the ZeRO paper's): as ZeRO-1, each unit's gradients reduce-scattered in
+      the backward and freed (``accumulate_mode="reduce_each"``).
+    * ``"shard_grad_op"`` (FSDP's, often called ZeRO-2): ``{"dp": N}``,
+      ``Policy(reshard_after_forward=False)``: parameters sharded at rest, gathered once in
+      forward and kept until backward.
     * ``"zero3"``: ``{"dp": N}``, the default (full sharding).
     * ``"hsdp"``: ``{"replicate": N / hsdp_shard, "shard": hsdp_shard}``.
     * ``"fsdp+tp"``: ``{"dp": N / tp, "tp": tp}`` with ``tp_plan`` (skipped without one).
@@ -117,6 +160,10 @@ def compare_strategies(
         checkpoint: the policy's activation checkpointing, shared by all strategies.
         prefetch: the policy's prefetch depth, shared by all strategies.
         optimizer: as for :func:`plan`.
+        master_weights: keep parameters in ``mixed_precision.param_dtype`` and fp32 masters
+            in the optimizer state (:func:`~functional_fsdp.master_weights`). ``None``: when
+            ``mixed_precision`` has a ``param_dtype``. With Adam this is the paper's setup, and
+            :attr:`Comparison.paper` holds its figures.
         loss_fn: as for :func:`plan`.
 
     Raises:
@@ -125,9 +172,9 @@ def compare_strategies(
     Example:
         >>> import torch, functional_fsdp as ff
         >>> model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
-        >>> cmp = ff.compare_strategies(model, 4, strategies=("ddp", "zero2", "zero3"))
+        >>> cmp = ff.compare_strategies(model, 4, strategies=("ddp", "zero2", "shard_grad_op"))
         >>> [r.param_bytes for r in cmp.reports]
-        [66560, 16640, 16640]
+        [66560, 66560, 16640]
     """
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -139,14 +186,24 @@ def compare_strategies(
         checkpoint=checkpoint,
         prefetch=prefetch,
     )
-    common: dict[str, Any] = dict(batch=batch, units=units, optimizer=optimizer, loss_fn=loss_fn)
+    param_dtype = base["mixed_precision"].param_dtype
+    if master_weights is None:
+        master_weights = param_dtype is not None
+    opt = _optimizer(optimizer)
+    if master_weights and opt is not None:
+        opt = wrap_masters(opt, param_dtype=param_dtype or torch.float32)
+    common: dict[str, Any] = dict(batch=batch, units=units, optimizer=opt, loss_fn=loss_fn)
     reports = []
     for s in strategies:
         if s == "ddp":
             kw: dict[str, Any] = dict(mesh={"dp": world_size}, specs=P())
         elif s == "zero1":
-            kw = dict(mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"))
+            kw = dict(
+                mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"), accumulate_mode="local"
+            )
         elif s == "zero2":
+            kw = dict(mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"))
+        elif s == "shard_grad_op":
             kw = dict(mesh={"dp": world_size}, policy=Policy(reshard_after_forward=False, **base))
         elif s == "zero3":
             kw = dict(mesh={"dp": world_size})
@@ -161,7 +218,13 @@ def compare_strategies(
         kw.setdefault("policy", Policy(**base))
         mesh = kw.pop("mesh")
         reports.append(plan(model, mesh, name=s, **common, **kw))
-    return Comparison(tuple(reports))
+    paper = {}
+    if master_weights and optimizer in ("adam", "adamw") and param_dtype is not None:
+        for r in reports:
+            figure = paper_bytes(r.name, r.params, world_size)
+            if figure is not None and param_dtype.itemsize == 2:
+                paper[r.name] = figure
+    return Comparison(tuple(reports), paper)
 
 
 def _check_divides(name: str, size: int, world_size: int) -> None:

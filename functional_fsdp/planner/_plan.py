@@ -36,6 +36,7 @@ from torch import nn
 from .._tree import NAMESPACE
 from ..fsdp.plan import Plan, gather_dtype, make_plan, plan_rounds
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
+from ..optim.masters import param_dtype_of
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..sharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -112,8 +113,10 @@ class PlanReport:
         param_bytes: parameter shards at rest, padding included.
         padding_bytes: the padding part of ``param_bytes`` (beyond an exact share of each
             tensor over the axes that split it, rounded to a byte).
-        grad_bytes: gradients of the trainable parameters, in their at-rest layout.
-        opt_state_bytes: optimizer state (in the ``opt_specs`` layout for ZeRO-1).
+        grad_bytes: gradients of the trainable parameters, in their at-rest layout (ZeRO-2:
+            the optimizer shards; ZeRO-1: full, as they are summed before the reduction).
+        opt_state_bytes: optimizer state (in the ``opt_specs`` layout for ZeRO-1/2), fp32
+            masters of :func:`~functional_fsdp.master_weights` included.
         largest_unit: the unit with the most gathered bytes (``""``: the root unit).
         largest_unit_bytes: its gathered bytes.
         root_bytes: the root unit's gathered bytes (it stays gathered for the step).
@@ -244,6 +247,9 @@ class PlanReport:
 
     def __rich__(self) -> Any:
         return self.table()
+
+    def __str__(self) -> str:
+        return self.summary()
 
     def _repr_html_(self) -> str:
         from ._render import to_html
@@ -400,6 +406,7 @@ def plan(
     opt_specs: Specs | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | Literal["lm"] | None = "lm",
     accumulate: int = 1,
+    accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
     name: str = "",
 ) -> PlanReport:
     """Price one training step of ``model`` on a mesh, per device, from shapes alone.
@@ -429,12 +436,19 @@ def plan(
             then those of :func:`functional_fsdp.tensor_parallel` unless ``specs`` is given.
         optimizer: a ``GradientTransformation``, ``"adamw"``, ``"adam"``, ``"sgd"``,
             ``"momentum"`` or ``None``; its state is measured by running its ``init``.
-        opt_specs: the optimizer layout for ZeRO-1 (as for ``train_step``).
+        opt_specs: the optimizer layout (as for ``TrainState.create``): with parameters
+            replicated over the data axes and ``P("dp")`` here, ZeRO-2 (or ZeRO-1 with
+            ``accumulate_mode="local"``): gradients reduce-scattered to the shards, updated
+            parameters all-gathered. With :func:`~functional_fsdp.master_weights` as the
+            ``optimizer``, trainable parameters and gradients are priced in its
+            ``param_dtype`` and its fp32 masters with the optimizer state.
         loss_fn: ``loss_fn(output) -> scalar`` run after the forward for its activations;
             ``"lm"`` (default): next-token cross entropy on the logits in float32; ``None``:
             no loss.
-        accumulate: micro-batches per step (``accumulate_mode="reduce_each"``): the batch
-            is split further and the FSDP collectives repeat per micro-batch.
+        accumulate: micro-batches per step: the batch is split further and, with
+            ``accumulate_mode="reduce_each"``, the FSDP collectives repeat per micro-batch.
+        accumulate_mode: as for ``train_step``; it matters for ZeRO layouts: ``"local"``
+            (ZeRO-1) keeps full gradients and reduce-scatters once per step.
         name: a label for tables and comparisons.
 
     Raises:
@@ -502,18 +516,22 @@ def plan(
     for up in the_plan.units.values():
         for n, lay, dt in zip(up.names, up.layouts, up.dtypes):
             layouts[n], dtypes[n] = lay, dt
-    param_bytes = sum(layouts[n].local_numel * dtypes[n].itemsize for n in layouts)
+    opt = _optimizer(optimizer)
+    kept = param_dtype_of(opt) if opt is not None else None  # master_weights' param dtype
+    rest = {
+        n: kept if kept is not None and n in train and dt.is_floating_point else dt
+        for n, dt in dtypes.items()
+    }
+    param_bytes = sum(layouts[n].local_numel * rest[n].itemsize for n in layouts)
     total_elems = sum(_numel(lay.global_shape) for lay in layouts.values())
     # Padding: what a rank holds beyond its share of the distinct values (replicas included).
     exact = sum(
         _numel(layouts[n].global_shape)
-        * dtypes[n].itemsize
+        * rest[n].itemsize
         / math.prod(sizes[a] for a in layouts[n].spec.axes)
         for n in layouts
     )
     padding = param_bytes - round(exact)
-    grad_bytes = sum(layouts[n].local_numel * dtypes[n].itemsize for n in layouts if n in train)
-    opt = _optimizer(optimizer)
     opt_layouts = dict(layouts)
     if opt_specs is not None:
         tr = {n: module_params[n] for n in layouts if n in train}
@@ -526,6 +544,16 @@ def plan(
         if n in train
     }
     opt_state_bytes = _state_bytes(opt, shards)
+    data_set = set(data_axes)
+    zero = (
+        opt_specs is not None
+        and any(n in train for n in layouts)
+        and all(not data_set & set(layouts[n].spec.axes) for n in layouts if n in train)
+        and any(data_set & set(opt_layouts[n].spec.axes) for n in layouts if n in train)
+    )
+    zero1 = zero and accumulate_mode == "local"
+    grad_layouts = opt_layouts if zero and not zero1 else layouts
+    grad_bytes = sum(grad_layouts[n].local_numel * rest[n].itemsize for n in layouts if n in train)
 
     # ---- gathered parameters
     root = the_plan.units.get("")
@@ -605,18 +633,24 @@ def plan(
     sync = policy.grad_reduce != "none"
     reduce_dtype = mp.reduce_dtype or mp.param_dtype
     any_trainable = bool(train)
-    for uname, up in the_plan.units.items():
+    engine_plan = the_plan
+    if zero and not zero1:  # ZeRO-2: the engine reduce-scatters onto the optimizer shards
+        engine_specs = {n: opt_layouts[n].spec if n in train else param_specs[n] for n in layouts}
+        engine_plan = make_plan(model, sizes, engine_specs, unit_paths, data_axes, mp.param_dtype)
+    for uname, up in engine_plan.units.items():
         runs_backward = (
             (trace.grad_out.get(uname, any_trainable) if trace is not None else any_trainable)
             if uname
             else any_trainable
         )
         gathers = 1 + (1 if policy.reshard_after_forward and runs_backward else 0)
+        if zero:  # computed with the replicas held at rest: nothing gathered
+            gathers = 0
         for rnd in up.rounds:
             nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize
             comms.add("all_gather", rnd.axis, rnd.size, nbytes, "fsdp", gathers * accumulate)
         needed = {i for i, n in enumerate(up.names) if n in train}
-        if not needed or not sync:
+        if not needed or not sync or zero1:
             continue
         for rnd in reversed(up.rounds):
             pieces = [p for p in rnd.pieces if p.index in needed]
@@ -652,13 +686,13 @@ def plan(
                 slot = comms.items[(kind, axis, "tp")]
                 slot[0] += times
                 slot[1] += times * nbytes
-    # train_step: the loss mean, the global gradient norm, ZeRO-1's gather of the params.
+    # train_step: the loss mean, the global gradient norm, ZeRO's collectives of the step.
     for axis in data_axes:
         comms.add("all_reduce", axis, sizes[axis], 4, "step")
-    grad_layouts = opt_layouts if opt_specs is not None else layouts
+    norm_layouts = opt_layouts if opt_specs is not None else layouts
     groups = {
-        tuple(a for a in sizes if a in grad_layouts[n].spec.axes)
-        for n in grad_layouts
+        tuple(a for a in sizes if a in norm_layouts[n].spec.axes)
+        for n in norm_layouts
         if n in train
     }
     for axis in sizes:
@@ -670,8 +704,25 @@ def plan(
         wanted = {
             a for n in names for a in opt_layouts[n].spec.axes if a not in layouts[n].spec.axes
         }
+        if zero1 and sync:  # one reduce-scatter of the full gradients, bucketed by dtype
+            rounds = plan_rounds(
+                [opt_layouts[n] for n in names],
+                sizes,
+                data_axes,
+                [gather_dtype(rest[n], mp.param_dtype) for n in names],
+            )
+            for rnd in rounds:
+                dt = reduce_dtype if reduce_dtype is not None else rnd.dtype
+                nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.size * dt.itemsize
+                comms.add(
+                    "reduce_scatter",
+                    rnd.axis,
+                    rnd.size,
+                    nbytes,
+                    "step",
+                )
         rounds = plan_rounds(
-            [opt_layouts[n] for n in names], sizes, tuple(wanted), [dtypes[n] for n in names]
+            [opt_layouts[n] for n in names], sizes, tuple(wanted), [rest[n] for n in names]
         )
         for rnd in rounds:
             nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize

@@ -22,6 +22,15 @@ def human(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
+def short(n: int | float) -> str:
+    """Bytes in three significant digits (``112 GiB``, ``14.1 GiB``, ``225 MiB``): a
+    comparison's cells stay narrow enough for a terminal."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
 def parts(report: PlanReport) -> dict[str, int]:
     """The peak estimate split into its parts (bytes per device)."""
     return {
@@ -64,11 +73,13 @@ def report_table(report: PlanReport) -> Any:
     return Group(mem, comm)
 
 
-def comparison_table(reports: Sequence[PlanReport], gib: float | None = None) -> Any:
+def comparison_table(
+    reports: Sequence[PlanReport], gib: float | None = None, paper: dict[str, float] | None = None
+) -> Any:
     from rich.table import Table
 
     table = Table(title="per device" + (f" (fits in {gib:g} GiB?)" if gib else ""))
-    table.add_column("strategy")
+    table.add_column("strategy", no_wrap=True, min_width=max(len(r.name) for r in reports))
     table.add_column("mesh")
     for col in (*PARTS, "peak", "comm/step"):
         table.add_column(col, justify="right")
@@ -77,10 +88,36 @@ def comparison_table(reports: Sequence[PlanReport], gib: float | None = None) ->
     for r in reports:
         p = parts(r)
         row = [r.name, " x ".join(f"{a}={s}" for a, s in r.mesh.items())]
-        row += [human(p[k]) for k in PARTS] + [human(r.peak_bytes), human(r.comm_bytes())]
+        row += [short(p[k]) for k in PARTS] + [short(r.peak_bytes), short(r.comm_bytes())]
         if gib is not None:
             row.append("yes" if r.fits(gib) else "no")
         table.add_row(*row)
+    if not paper:
+        return table
+    from rich.console import Group
+
+    return Group(table, paper_table(reports, paper))
+
+
+def paper_table(reports: Sequence[PlanReport], paper: dict[str, float]) -> Any:
+    """Bytes at rest per device next to the ZeRO paper's figure, in decimal GB as it counts."""
+    from rich.table import Table
+
+    psi = max(r.params for r in reports) / 1e9
+    n = max(r.world_size for r in reports)
+    table = Table(
+        title="at rest per device vs the ZeRO paper, GB",
+        caption=f"Ψ = {psi:.2f}B parameters, N = {n}, K = 12",
+        title_justify="left",
+        caption_justify="left",
+    )
+    for col in ("strategy", "params", "grads", "optimizer", "at rest", "paper"):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for r in reports:
+        if r.name not in paper:
+            continue
+        figures = (r.param_bytes, r.grad_bytes, r.opt_state_bytes, r.at_rest_bytes)
+        table.add_row(r.name, *(f"{b / 1e9:.1f}" for b in figures), f"{paper[r.name] / 1e9:.1f}")
     return table
 
 
