@@ -113,6 +113,7 @@ from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .tp.styles import divide_by_tp as divide_by_tp
 from .train import DonatedStateError as DonatedStateError
 from .train import TrainState as TrainState
+from .train import local_batch as local_batch
 from .train import train_step as train_step
 
 __version__ = "0.1.0"
@@ -192,6 +193,7 @@ __all__ = [
     "is_simulated",
     "join_schedules",
     "launch",
+    "local_batch",
     "learning_rate_of",
     "linear_schedule",
     "llama_plan",

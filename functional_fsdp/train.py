@@ -249,39 +249,96 @@ def _check_not_empty(batch: Batch, where: str = "train_step") -> None:
             )
 
 
-def split_batch(batch: Batch, parts: int, where: str = "train_step") -> list[Batch]:
-    """Split every tensor of ``batch`` into ``parts`` equal chunks along dim 0."""
+def split_batch(
+    batch: Batch, parts: int, where: str = "train_step", whose: str = "the batch"
+) -> list[Batch]:
+    """Split every tensor of ``batch`` into ``parts`` equal chunks along dim 0.
+
+    ``whose`` says which batch this is in errors (e.g. this rank's share of a global batch).
+    """
     leaves, treedef = optree.tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor)}
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.ndim}
     for size in sizes:
         if size % parts:
             raise ValueError(
-                f"{where}: a batch of {_examples(size)} does not split into {parts} equal "
-                f"micro-batches; use a batch size divisible by accumulate={parts}."
+                f"{where}: {whose} holds {_examples(size)}, which does not split into "
+                f"{parts} equal micro-batches (accumulate={parts}); make it a multiple of "
+                f"{parts}."
             )
     chunks = [t.chunk(parts) if isinstance(t, torch.Tensor) else [t] * parts for t in leaves]
     return [optree.tree_unflatten(treedef, [c[i] for c in chunks]) for i in range(parts)]
 
 
-def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
+def local_batch(
+    batch: Batch,
+    mesh: Any,
+    data_axes: str | tuple[str, ...] | None = None,
+    *,
+    where: str = "ff.local_batch",
+) -> Batch:
     """This rank's share (along dim 0) of a global batch that every rank holds.
+
+    Use it wherever your own code needs this rank's examples (a ``torch.func`` loop of your
+    own, an evaluation): it is right under ``torchrun`` (a view of this rank's rows) and on a
+    simulated mesh, where each simulated rank gets its own rows (a per-rank tensor). Code
+    such as ``batch.chunk(n)[torch.distributed.get_rank()]`` is right only on real processes:
+    on a simulated mesh one process is every rank. ``train_step(..., batch="global")`` (the
+    default) takes the same share itself.
 
     Data ranks are numbered row-major over ``data_axes``; ranks that differ only in model
     axes (tp) get the same share.
 
+    Args:
+        batch: a tensor or a pytree of tensors, the same global batch on every rank; every
+            tensor is split along dim 0 (other leaves are kept as they are).
+        mesh: the mesh, or the ``FSDP`` model (``ff.fsdp(...)``), whose mesh and
+            ``data_axes`` are then used.
+        data_axes: the mesh axes that split the batch (default: the model's, or every axis
+            of the mesh but ``"tp"``).
+        where: the name that errors start with.
+
+    Returns:
+        A tree like ``batch`` holding this rank's ``batch_size / n_data_ranks`` examples.
+
     Raises:
-        ValueError: if the batch does not divide across the data-parallel ranks.
+        ValueError: if the batch does not divide across the data-parallel ranks, or an axis
+            is not one of the mesh's.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     share = ff.local_batch(torch.arange(4), mesh)
+        ...     [t.tolist() for t in ff.rank_values(share)]
+        [[0, 1], [2, 3]]
     """
+    if isinstance(mesh, FSDP):
+        model = mesh
+        mesh = model.mesh
+        if data_axes is None:
+            data_axes = model.data_axes
+    names = tuple(axis_sizes(mesh))
+    if data_axes is None:
+        data_axes = tuple(a for a in names if a != "tp")
+    elif isinstance(data_axes, str):
+        data_axes = (data_axes,)
+    unknown = [a for a in data_axes if a not in names]
+    if unknown:
+        raise ValueError(
+            f"{where}: data axis {unknown[0]!r} is not an axis of the mesh "
+            f"{format_mesh(axis_sizes(mesh))}; pass data_axes from {names}, or the FSDP model "
+            f"itself (ff.local_batch(batch, sharded_model)) to use its data axes."
+        )
     sizes = axis_sizes(mesh)
     n = math.prod(sizes[a] for a in data_axes)
     leaves, treedef = optree.tree_flatten(batch)
     for t in leaves:
-        if isinstance(t, torch.Tensor) and t.shape[0] % n:
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] % n:
+            local = ", or pass each rank's own batch with train_step(..., batch='local')"
             raise ValueError(
-                f"train_step: a global batch of {_examples(t.shape[0])} (shape {tuple(t.shape)}) "
+                f"{where}: a global batch of {_examples(t.shape[0])} (shape {tuple(t.shape)}) "
                 f"does not divide across the {n} data-parallel ranks of {format_mesh(sizes)} "
-                f"(data axes {data_axes}); use a multiple of {n}, or pass each rank's own "
-                f"batch with train_step(..., batch='local')."
+                f"(data axes {data_axes}); use a multiple of {n}"
+                f"{local if where == 'train_step' else ''}."
             )
     if n == 1:
         return batch
@@ -303,8 +360,22 @@ def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
         )
         return t.index_select(0, index)
 
-    out = [share(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+    out = [share(t) if isinstance(t, torch.Tensor) and t.ndim else t for t in leaves]
     return optree.tree_unflatten(treedef, out)
+
+
+def _share_description(data: Batch, model: FSDP) -> str:
+    """Names this rank's share of a global batch in errors: which batch was counted."""
+    sizes = axis_sizes(model.mesh)
+    n = math.prod(sizes[a] for a in model.data_axes)
+    first = next(
+        (t for t in optree.tree_leaves(data) if isinstance(t, torch.Tensor) and t.ndim), None
+    )
+    total = f"{_examples(first.shape[0])}" if first is not None else "the batch"
+    return (
+        f"this rank's share of the global batch ({total} over the {n} data-parallel ranks "
+        f"of {format_mesh(sizes)}, data axes {model.data_axes})"
+    )
 
 
 # --------------------------------------------------------------------------- the step
@@ -524,9 +595,9 @@ def train_step(
     def mean(total: list[Any], n: int) -> list[Any]:
         return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
 
-    def grads_and_loss(split: _Split, local: Batch) -> tuple[list[Any], torch.Tensor]:
+    def grads_and_loss(split: _Split, local: Batch, whose: str) -> tuple[list[Any], torch.Tensor]:
         """Gradients of the trainable leaves only: frozen ones are never differentiated."""
-        micro = split_batch(local, accumulate) if accumulate > 1 else [local]
+        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
         base = split.leaves
         train = split.train_leaves
         pullback = None
@@ -557,9 +628,11 @@ def train_step(
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
         _check_not_empty(data)
-        local = (
-            local_batch(data, model.mesh, model.data_axes) if batch == "global" and model else data
-        )
+        whose = "this rank's batch (batch='local')"
+        local = data
+        if batch == "global" and model is not None:
+            local = local_batch(data, model.mesh, model.data_axes, where="train_step")
+            whose = _share_description(data, model)
         split = _Split(params, state.trainable)
         _check_differentiable(
             [split.paths[i] for i in split.index],
@@ -567,7 +640,7 @@ def train_step(
             "train_step",
             state.trainable is None,
         )
-        grad_leaves, loss = grads_and_loss(split, local)
+        grad_leaves, loss = grads_and_loss(split, local, whose)
         grads = split.train_def.unflatten(grad_leaves)
         train = split.train
         at_rest = None
