@@ -18,11 +18,11 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._partition import module_trainable, names_of, partition, trainable_names
+from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, keystr, tree_leaves
 from .dist import collectives as C
-from .dist.mesh import axis_sizes, coordinate_of
-from .dist.simulate import is_simulated, per_coordinate
+from .dist.mesh import axis_sizes, check_mesh, coordinate_of
+from .dist.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp.api import FSDP
 from .optim._tree import donating
 from .optim.clipping import global_norm
@@ -126,7 +126,9 @@ class TrainState:
             ['1.bias', '1.weight']
         """
         names = None
-        if trainable is not None:
+        if trainable is None:
+            _check_no_frozen_shards(params)
+        else:
             names = trainable_names(params, trainable, "TrainState.create")
             if not names:
                 raise ValueError(
@@ -200,6 +202,20 @@ def _check_differentiable(
                 f"p.dtype.is_floating_point the floating ones; or keep it as a buffer "
                 f"(module.register_buffer) instead of a parameter."
             )
+
+
+def _check_no_frozen_shards(params: Any) -> None:
+    """Without ``trainable=``, refuse shards of frozen parameters: the first step would."""
+    frozen = marked_frozen(params)
+    if frozen:
+        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
+        raise ValueError(
+            f"TrainState.create: params[{frozen[0]!r}]{more} are shards of frozen parameters "
+            f"(requires_grad=False in the module ff.fsdp sharded), but trainable= was not "
+            f"given, so they would get gradients, optimizer state and updates. Write "
+            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
+            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
+        )
 
 
 def _short_repr(x: Any, limit: int = 80) -> str:
@@ -316,6 +332,7 @@ def local_batch(
         mesh = model.mesh
         if data_axes is None:
             data_axes = model.data_axes
+    check_mesh(mesh, where)
     names = tuple(axis_sizes(mesh))
     if data_axes is None:
         data_axes = tuple(a for a in names if a != "tp")
@@ -625,6 +642,8 @@ def train_step(
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         params, opt_state, count = state.params, state.opt_state, state.step
+        if model is not None:
+            check_alive(model.mesh, "train_step")
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
         _check_not_empty(data)
