@@ -91,7 +91,10 @@ def mark_frozen(params: dict[str, Any], model: Any) -> dict[str, Any]:
         return params
     for name, value in params.items():
         local = getattr(value, "local", value)
-        if name not in trainable and isinstance(local, torch.Tensor):
+        differentiable = isinstance(local, torch.Tensor) and (
+            local.is_floating_point() or local.is_complex()
+        )
+        if name not in trainable and differentiable:  # integer ones have their own error
             setattr(local, _FROZEN, True)
     return params
 
