@@ -212,7 +212,7 @@ def _check_no_frozen_shards(params: Any) -> None:
         raise ValueError(
             f"TrainState.create: params[{frozen[0]!r}]{more} {'are' if more else 'is'} "
             f"the shard{'s' if more else ''} of frozen parameters "
-            f"(requires_grad=False in the module ff.fsdp sharded), but trainable= was not "
+            f"(requires_grad=False) of the module ff.fsdp sharded, but trainable= was not "
             f"given, so they would get gradients, optimizer state and updates. Write "
             f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
             f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."

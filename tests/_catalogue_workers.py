@@ -950,7 +950,7 @@ CASES: list[Case] = [
         ValueError,
         (
             "TrainState.create: params['base_model.model.lm_head.weight'] and",
-            "are the shards of frozen parameters (requires_grad=False",
+            "are the shards of frozen parameters (requires_grad=False) of the module",
             "trainable=sharded_model",
         ),
         _lora_state_without_trainable,
