@@ -125,6 +125,7 @@ class TrainState:
             >>> sorted(state.trainable)
             ['1.bias', '1.weight']
         """
+        _check_optimizer(optimizer, "TrainState.create")
         names = None
         if trainable is None:
             _check_no_frozen_shards(params)
@@ -202,6 +203,26 @@ def _check_differentiable(
                 f"p.dtype.is_floating_point the floating ones; or keep it as a buffer "
                 f"(module.register_buffer) instead of a parameter."
             )
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    """An optimizer here is a pure GradientTransformation, not a torch.optim one."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    name = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
+    torch_optim = isinstance(optimizer, torch.optim.Optimizer) or (
+        isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+    )
+    hint = (
+        f"torch.optim.{name} holds its own state and updates parameters in place; use its "
+        f"pure counterpart, e.g. ff.adamw(3e-4) or ff.sgd(0.1, momentum=0.9)"
+        if torch_optim
+        else "e.g. ff.adamw(3e-4), or ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(3e-4))"
+    )
+    raise TypeError(
+        f"{where}: optimizer must be a GradientTransformation (a pair of pure functions init, "
+        f"update), got {name}: {hint}."
+    )
 
 
 def _check_no_frozen_shards(params: Any) -> None:
@@ -583,6 +604,18 @@ def train_step(
         ...     state.step, sorted(state.trainable), state.params["bias"] is params["bias"]
         (1, ['weight'], True)
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step: loss_fn must be a function loss_fn(params, batch) -> scalar tensor, "
+            f"got {_short_repr(loss_fn)} ({type(loss_fn).__name__})."
+        )
+    _check_optimizer(optimizer, "train_step")
+    if model is not None and not isinstance(model, FSDP):
+        raise TypeError(
+            f"train_step: model= takes the FSDP description that ff.fsdp(module, mesh) returns "
+            f"(it knows the mesh and the data axes), got {type(model).__name__}; write "
+            f"sharded_model = ff.fsdp(model, mesh) and pass model=sharded_model."
+        )
     if isinstance(accumulate, bool) or not isinstance(accumulate, int):
         raise TypeError(
             f"train_step: accumulate must be an int (the number of micro-batches), got "
@@ -642,6 +675,12 @@ def train_step(
         return total, loss_sum / len(micro)
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
+                f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
+                f"state each step returns to the next."
+            )
         params, opt_state, count = state.params, state.opt_state, state.step
         if model is not None:
             check_alive(model.mesh, "train_step")

@@ -1014,6 +1014,34 @@ CASES: list[Case] = [
         _get_rank_in_simulation,
     ),
     Case(
+        "torch_optimizer",
+        "TrainState.create(params, torch.optim.AdamW(model.parameters()))",
+        TypeError,
+        (
+            "TrainState.create: optimizer must be a GradientTransformation",
+            "got AdamW: torch.optim.AdamW holds its own state",
+            "ff.adamw(3e-4)",
+        ),
+        lambda ctx: ff.TrainState.create(
+            ff.fsdp(mlp(), ctx.mesh).shard(), torch.optim.AdamW(mlp().parameters())
+        ),
+        real=True,
+    ),
+    Case(
+        "step_given_params",
+        "step(params, batch) instead of step(state, batch)",
+        TypeError,
+        ("step(state, batch) takes a TrainState, got dict", "ff.TrainState.create(params"),
+        lambda ctx: _step(ctx)[0](ff.fsdp(mlp(), ctx.mesh).shard(), _batch(4)),
+    ),
+    Case(
+        "train_step_model_is_module",
+        "train_step(loss_fn, opt, model=module)",
+        TypeError,
+        ("train_step: model= takes the FSDP description", "got Sequential", "model=sharded_model"),
+        lambda ctx: ff.train_step(lambda p, b: b, ff.sgd(0.1), model=mlp()),
+    ),
+    Case(
         "donated_state_reused",
         "a state used again after train_step(donate=True)",
         DonatedStateError,
