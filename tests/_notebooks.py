@@ -54,22 +54,29 @@ def _words(text: str) -> tuple[str, list[float]]:
 
 def outputs(nb: Any) -> list[list[tuple[str, str, Any]]]:
     """Each code cell's outputs as ``(kind, mime or stream, content)``: texts as words and
-    numbers, images as their presence."""
+    numbers, images as their presence. Consecutive prints to one stream count as one output,
+    however the kernel flushed them."""
     cells = []
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        out = []
+        raw: list[tuple[str, str, Any]] = []
         for o in cell.get("outputs", []):
             if o.output_type == "stream":
-                out.append(("stream", o.name, _words(_text(o.text))))
+                if raw and raw[-1][:2] == ("stream", o.name):
+                    raw[-1] = ("stream", o.name, raw[-1][2] + _text(o.text))
+                else:
+                    raw.append(("stream", o.name, _text(o.text)))
             elif o.output_type in ("display_data", "execute_result"):
-                for mime, value in sorted(o.data.items()):
+                # What a page shows: the HTML where there is one (an object's plain repr may
+                # hold a timing, e.g. a plan's seconds), else the text.
+                shown = {m for m in o.data if m != "text/plain"} or {"text/plain"}
+                for mime, value in sorted((m, v) for m, v in o.data.items() if m in shown):
                     content = "image" if mime.startswith("image/") else _words(_text(value))
-                    out.append((o.output_type, mime, content))
+                    raw.append((o.output_type, mime, content))
             elif o.output_type == "error":
-                out.append(("error", o.ename, o.evalue))
-        cells.append(out)
+                raw.append(("error", o.ename, o.evalue))
+        cells.append([(k, m, _words(c)) if k == "stream" else (k, m, c) for k, m, c in raw])
     return cells
 
 
