@@ -317,7 +317,7 @@ def short(n: int) -> str:
     return f"{n}B"
 
 
-_UNIT_NOTE = "K, M, G, T: KiB, MiB, GiB, TiB"
+_UNIT_NOTE = "bytes: K, M, G, T are KiB, MiB, GiB, TiB"
 
 
 def memory_table(cmp: Comparison, gib: float | None = None) -> Any:
@@ -328,7 +328,7 @@ def memory_table(cmp: Comparison, gib: float | None = None) -> Any:
     from ._render import PARTS, parts
 
     table = Table(
-        title=f"memory per device ({_UNIT_NOTE})",
+        title="memory per device",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -353,7 +353,7 @@ def traffic_table(cmp: Comparison) -> Any:
     from rich.table import Table
 
     table = Table(
-        title=f"traffic per step, sent per rank ({_UNIT_NOTE})",
+        title="traffic per step, sent per rank",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -412,12 +412,12 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
 
     console = Console(file=out, highlight=False) if file is not None else Console(highlight=False)
     size = "" if args.model in SHAPES else f", {params / 1e9:.3g}B parameters"
-    console.print(
-        f"{name}{size}, on {world} devices (model built in {built - start:.2f} s, planned in "
-        f"{planned - built:.2f} s)"
-    )
+    console.print(f"{name}{size}, on {world} devices")
     console.print(memory_table(cmp, args.gib))
     console.print(traffic_table(cmp))
+    console.print(
+        f"{_UNIT_NOTE}; model built in {built - start:.2f} s, planned in {planned - built:.2f} s"
+    )
     if args.gib is not None:
         console.print(f"fits in {args.gib:g} GiB: {', '.join(cmp.fits(args.gib)) or 'none'}")
     return 0
