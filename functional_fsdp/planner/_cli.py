@@ -415,9 +415,8 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
     console.print(f"{name}{size}, on {world} devices")
     console.print(memory_table(cmp, args.gib))
     console.print(traffic_table(cmp))
-    console.print(
-        f"{_UNIT_NOTE}; model built in {built - start:.2f} s, planned in {planned - built:.2f} s"
-    )
+    console.print(_UNIT_NOTE)
+    console.print(f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s")
     if args.gib is not None:
         console.print(f"fits in {args.gib:g} GiB: {', '.join(cmp.fits(args.gib)) or 'none'}")
     return 0
