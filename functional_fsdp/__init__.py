@@ -118,6 +118,7 @@ from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .tp.styles import divide_by_tp as divide_by_tp
 from .train import DonatedStateError as DonatedStateError
 from .train import TrainState as TrainState
+from .train import local_batch as local_batch
 from .train import train_step as train_step
 
 __version__ = "0.1.0"
@@ -204,6 +205,7 @@ __all__ = [
     "learning_rate_of",
     "linear_schedule",
     "llama_plan",
+    "local_batch",
     "make_mesh",
     "masked",
     "master_weights",

@@ -75,6 +75,40 @@ def module_trainable(obj: Any) -> frozenset[str] | None:
     return None
 
 
+_FROZEN = "_functional_fsdp_frozen"  # set on the local block of a frozen parameter's shard
+
+
+def mark_frozen(params: dict[str, Any], model: Any) -> dict[str, Any]:
+    """Tag the shards of ``model``'s frozen parameters (``requires_grad=False``), in place.
+
+    The shards were just made by the library (``FSDP.shard``, ``init_sharded``,
+    ``load_safetensors``), so tagging their local blocks changes nothing of the user's. The tag
+    lets :meth:`TrainState.create` without ``trainable=`` refuse them at once, instead of the
+    first step. It is lost by any operation that makes new tensors, which is what a tag should.
+    """
+    trainable = module_trainable(model)
+    if trainable is None:
+        return params
+    for name, value in params.items():
+        local = getattr(value, "local", value)
+        differentiable = isinstance(local, torch.Tensor) and (
+            local.is_floating_point() or local.is_complex()
+        )
+        if name not in trainable and differentiable:  # integer ones have their own error
+            setattr(local, _FROZEN, True)
+    return params
+
+
+def marked_frozen(tree: Any) -> list[str]:
+    """The dotted names of the leaves of ``tree`` that :func:`mark_frozen` tagged."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return [
+        dotted(path)
+        for path, leaf in zip(paths, leaves)
+        if getattr(getattr(leaf, "local", leaf), _FROZEN, False)
+    ]
+
+
 def _is_names(spec: Any) -> bool:
     if isinstance(spec, (set, frozenset)):
         return True

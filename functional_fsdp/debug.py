@@ -9,6 +9,7 @@ same colour in every value and every call.
 from __future__ import annotations
 
 import html
+import io
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,27 @@ PALETTE = (
     "#bc80bd",
 )
 REPLICATED = "#d9d9d9"  # a block every coordinate holds
+# A 16-colour terminal maps the light colours above onto few of its own, so that neighbouring
+# blocks can look alike: there, coordinates cycle through these (black text on each), and
+# neighbouring coordinates always differ. The labels in the cells carry the information; with
+# colour off (NO_COLOR, a pipe) they are all there is, and the colour legend is left out.
+PALETTE_16 = (
+    "cyan",
+    "yellow",
+    "green",
+    "magenta",
+    "bright_cyan",
+    "bright_yellow",
+    "bright_green",
+    "bright_magenta",
+    "bright_red",
+    "bright_blue",
+    "red",
+)
+REPLICATED_16 = "white"
+_TO_16 = {c: PALETTE_16[i % len(PALETTE_16)] for i, c in enumerate(PALETTE)} | {
+    REPLICATED: REPLICATED_16
+}
 _ORDERED = "functional_fsdp.debug"
 MAX_BLOCKS = 16  # blocks shown per row or column; the middle ones are elided beyond that
 
@@ -232,8 +254,17 @@ def _sharded_leaves(tree: Any, fn: str) -> list[tuple[str, Sharded]]:
     return found
 
 
-def _table(grid: _Grid, path: str) -> Any:
-    """The grid as rich renderables: a title line, the table, then the notes (full width)."""
+def _background(color: str, standard: bool) -> str:
+    """The cell style of a coordinate's colour, for a 16-colour terminal when ``standard``."""
+    return f"black on {_TO_16.get(color, color) if standard else color}"
+
+
+def _table(grid: _Grid, path: str, standard: bool = False, width: int | None = None) -> Any:
+    """The grid as rich renderables: a title line, the table, then the notes (full width).
+
+    When the table is wider than ``width``, the blocks are listed one per line instead, so
+    that no cell's label is cut.
+    """
     from rich.table import Table
     from rich.text import Text
 
@@ -248,36 +279,78 @@ def _table(grid: _Grid, path: str) -> Any:
     for header, line in zip(grid.rows, grid.cells):
         row: list[Any] = [header]
         for cell in line:
-            row.append("…" if cell is None else Text(f" {cell.text} ", f"black on {cell.color}"))
+            row.append(
+                "…" if cell is None else Text(f" {cell.text} ", _background(cell.color, standard))
+            )
         table.add_row(*row)
-    return [title, table, *(Text(n, style="dim") for n in grid.notes)]
+    notes = [Text(n, style="dim") for n in grid.notes]
+    if width is None or _natural_width(None, table) <= width:
+        return [title, table, *notes]
+    one_row = not any(grid.rows)  # a 1-D value: its blocks are the columns
+    blocks = []
+    for header, line in zip(grid.rows, grid.cells):
+        for col, cell in zip(grid.cols if any(grid.cols) else [""] * len(line), line):
+            where = " ".join(
+                h for h in (header, col if not one_row else f"{grid.corner} {col}".strip()) if h
+            )
+            blocks.append((where or "every element", cell))
+    pad = max(len(w) for w, _ in blocks)
+    listed: list[Any] = [title]
+    for where, cell in blocks:
+        text = Text(f"  {where:<{pad}}  ")
+        if cell is None:
+            text.append("…")
+        else:
+            text.append(f" {cell.text} ", _background(cell.color, standard))
+        listed.append(text)
+    return [*listed, *notes]
 
 
-def _legend(sizes: Mapping[str, int]) -> Any:
+def _legend(sizes: Mapping[str, int], standard: bool = False) -> Any:
     from rich.text import Text
 
     legend = Text("colours: ")
     for coord in _coordinates(sizes):
         legend.append(
             f" {_coord_label(coord, list(sizes))} ",
-            style=f"black on {coordinate_color(coord, sizes)}",
+            style=_background(coordinate_color(coord, sizes), standard),
         )
         legend.append(" ")
     return legend
 
 
-def _print(renderable: Any, console: Any) -> None:
-    """Print on ``console``. A default console is widened to fit in Jupyter and in files (a
-    terminal keeps its width, and long cells fold there)."""
+def _console(console: Any) -> tuple[Any, bool]:
+    """``console``, or a new default one; and whether it is new (then it may be widened)."""
+    if console is not None:
+        return console, False
+    from rich.console import Console
+
+    return Console(), True
+
+
+def _colour(console: Any) -> tuple[bool, bool]:
+    """Whether ``console`` shows colour at all, and whether it has only 16 colours."""
+    system = console.color_system
+    shown = system is not None and not console.no_color
+    return shown, system in ("standard", "windows")
+
+
+def _natural_width(console: Any, renderable: Any) -> int:
+    """The width ``renderable`` takes with nothing wrapped (on ``console``, or a plain one)."""
     from rich.console import Console
     from rich.measure import Measurement
 
     if console is None:
-        console = Console()
-        if not console.is_terminal or console.is_jupyter:
-            options = console.options.update(max_width=100_000)
-            need = Measurement.get(console, options, renderable).maximum
-            console.width = max(console.width, need)
+        console = Console(width=100_000, color_system=None, file=io.StringIO())
+    options = console.options.update(max_width=100_000)
+    return Measurement.get(console, options, renderable).maximum
+
+
+def _print(renderable: Any, console: Any, widen: bool) -> None:
+    """Print on ``console``. A default console (``widen``) is widened to fit in Jupyter and in
+    files (a terminal keeps its width, and long cells fold there)."""
+    if widen and (not console.is_terminal or console.is_jupyter):
+        console.width = max(console.width, _natural_width(console, renderable))
     console.print(renderable)
 
 
@@ -296,7 +369,8 @@ def visualize(tree: Any, *, console: Any = None, legend: bool = True) -> None:
     Args:
         tree: a ``Sharded`` value or a pytree holding some.
         console: a ``rich`` console to print on (default: a new one, HTML in Jupyter).
-        legend: print the colour of every mesh coordinate first (for up to 64 coordinates).
+        legend: print the colour of every mesh coordinate first (for up to 64 coordinates,
+            on a console that shows colour).
 
     Raises:
         TypeError: if ``tree`` holds no ``Sharded`` value.
@@ -319,13 +393,17 @@ def visualize(tree: Any, *, console: Any = None, legend: bool = True) -> None:
     from rich.console import Group
 
     leaves = _sharded_leaves(tree, "visualize")
+    console, new = _console(console)
+    shown, standard = _colour(console)
     parts: list[Any] = []
-    if legend:
+    if legend and shown:  # without colour, the labels in the cells say it all
         meshes = {tuple(axis_sizes(v.mesh).items()): None for _, v in leaves}
-        parts += [_legend(dict(m)) for m in meshes if math.prod(s for _, s in m) <= 64]
+        parts += [_legend(dict(m), standard) for m in meshes if math.prod(s for _, s in m) <= 64]
+    # A default console in Jupyter or a file widens to fit; a terminal keeps its width.
+    width = None if new and (not console.is_terminal or console.is_jupyter) else console.width
     for path, value in leaves:
-        parts += _table(_grid(value), path)
-    _print(Group(*parts), console)
+        parts += _table(_grid(value), path, standard, width)
+    _print(Group(*parts), console, new)
 
 
 def to_html(value: Sharded) -> str:
@@ -371,7 +449,8 @@ def describe(tree: Any, *, console: Any = None) -> None:
     block, dtype, local bytes per rank and padding.
 
     Rows keep the tree's order (a module's parameter dict stays in module order) and the
-    full key paths, wrapped rather than cut when the console is narrow.
+    full key paths, never broken: on a console too narrow for the table, each path gets a
+    line of its own with its figures on the next.
 
     Args:
         tree: a pytree of ``Sharded`` values (other leaves are skipped).
@@ -394,13 +473,16 @@ def describe(tree: Any, *, console: Any = None) -> None:
                       local 40 bytes per rank of 132 in total
     """
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title="Sharded values")
+    columns = ("shape", "spec", "local block", "dtype", "bytes", "padding")
     rows = [(p or "<root>", v) for p, v in _leaves(tree) if isinstance(v, Sharded)]
-    table.add_column("path", overflow="fold")  # folded, never cut, on a narrow console
-    for col in ("shape", "spec", "local block", "dtype", "bytes", "padding"):
+    table = Table(title="Sharded values")
+    table.add_column("path", no_wrap=True)  # a path is never broken
+    for col in columns:
         justify = "right" if col in ("bytes", "padding") else "left"
         table.add_column(col, justify=justify, overflow="fold")
+    cells = []
     total_local = total_global = 0
     for path, v in rows:
         local_numel = math.prod(v.layout.local_shape)
@@ -409,14 +491,34 @@ def describe(tree: Any, *, console: Any = None) -> None:
         nbytes = local_numel * v.dtype.itemsize
         total_local += nbytes
         total_global += v.numel() * v.dtype.itemsize
-        table.add_row(
-            path,
-            str(v.global_shape),
-            str(v.spec.trimmed()),
-            str(v.layout.local_shape),
-            str(v.dtype).removeprefix("torch."),
-            f"{nbytes:,}",
-            f"{padding:.0%}",
+        cells.append(
+            (
+                path,
+                str(v.global_shape),
+                str(v.spec.trimmed()),
+                str(v.layout.local_shape),
+                str(v.dtype).removeprefix("torch."),
+                f"{nbytes:,}",
+                f"{padding:.0%}",
+            )
         )
-    table.caption = f"local {total_local:,} bytes per rank of {total_global:,} in total"
-    _print(table, console)
+        table.add_row(*cells[-1])
+    caption = f"local {total_local:,} bytes per rank of {total_global:,} in total"
+    table.caption = caption
+    console, new = _console(console)
+    widened = new and (not console.is_terminal or console.is_jupyter)  # fits by construction
+    if widened or _natural_width(console, table) <= console.width:
+        _print(table, console, new)
+        return
+    # Too narrow for the paths and the figures side by side: each path on a line of its own,
+    # its figures on the next, so that no path is broken or cut.
+    lines: list[Any] = [Text("Sharded values", style="bold")]
+    for path, shape, spec, local, dtype, nbytes, padding in cells:
+        lines.append(Text(path, no_wrap=True, overflow="ignore"))
+        lines.append(
+            Text(f"    {shape} {spec}  local {local} {dtype}  {nbytes} bytes  padding {padding}")
+        )
+    lines.append(Text(caption, style="dim"))
+    from rich.console import Group
+
+    _print(Group(*lines), console, False)

@@ -19,11 +19,11 @@ import optree
 import torch
 import torch.distributed as dist
 
-from ._partition import module_trainable, names_of, partition, trainable_names
+from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .dist import collectives as C
-from .dist.mesh import axis_sizes, coordinate_of
-from .dist.simulate import is_simulated, per_coordinate
+from .dist.mesh import axis_sizes, check_mesh, coordinate_of
+from .dist.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
@@ -138,8 +138,11 @@ class TrainState:
             >>> sorted(state.trainable)
             ['1.bias', '1.weight']
         """
+        _check_optimizer(optimizer, "TrainState.create")
         names = None
-        if trainable is not None:
+        if trainable is None:
+            _check_no_frozen_shards(params)
+        else:
             names = trainable_names(params, trainable, "TrainState.create")
             if not names:
                 raise ValueError(
@@ -226,6 +229,41 @@ def _check_differentiable(
             )
 
 
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    """An optimizer here is a pure GradientTransformation, not a torch.optim one."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    name = optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__
+    torch_optim = isinstance(optimizer, torch.optim.Optimizer) or (
+        isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+    )
+    hint = (
+        f"torch.optim.{name} holds its own state and updates parameters in place; use its "
+        f"pure counterpart, e.g. ff.adamw(3e-4) or ff.sgd(0.1, momentum=0.9)"
+        if torch_optim
+        else "e.g. ff.adamw(3e-4), or ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(3e-4))"
+    )
+    raise TypeError(
+        f"{where}: optimizer must be a GradientTransformation (a pair of pure functions init, "
+        f"update), got {name}: {hint}."
+    )
+
+
+def _check_no_frozen_shards(params: Any) -> None:
+    """Without ``trainable=``, refuse shards of frozen parameters: the first step would."""
+    frozen = marked_frozen(params)
+    if frozen:
+        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
+        raise ValueError(
+            f"TrainState.create: params[{frozen[0]!r}]{more} {'are' if more else 'is'} "
+            f"the shard{'s' if more else ''} of frozen parameters "
+            f"(requires_grad=False) of the module ff.fsdp sharded, but trainable= was not "
+            f"given, so they would get gradients, optimizer state and updates. Write "
+            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
+            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
+        )
+
+
 def _short_repr(x: Any, limit: int = 80) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
@@ -288,39 +326,97 @@ def _check_not_empty(batch: Batch, where: str = "train_step") -> None:
             )
 
 
-def split_batch(batch: Batch, parts: int, where: str = "train_step") -> list[Batch]:
-    """Split every tensor of ``batch`` into ``parts`` equal chunks along dim 0."""
+def split_batch(
+    batch: Batch, parts: int, where: str = "train_step", whose: str = "the batch"
+) -> list[Batch]:
+    """Split every tensor of ``batch`` into ``parts`` equal chunks along dim 0.
+
+    ``whose`` says which batch this is in errors (e.g. this rank's share of a global batch).
+    """
     leaves, treedef = optree.tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor)}
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.ndim}
     for size in sizes:
         if size % parts:
             raise ValueError(
-                f"{where}: a batch of {_examples(size)} does not split into {parts} equal "
-                f"micro-batches; use a batch size divisible by accumulate={parts}."
+                f"{where}: {whose} holds {_examples(size)}, which does not split into "
+                f"{parts} equal micro-batches (accumulate={parts}); make it a multiple of "
+                f"{parts}."
             )
     chunks = [t.chunk(parts) if isinstance(t, torch.Tensor) else [t] * parts for t in leaves]
     return [optree.tree_unflatten(treedef, [c[i] for c in chunks]) for i in range(parts)]
 
 
-def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
+def local_batch(
+    batch: Batch,
+    mesh: Any,
+    data_axes: str | tuple[str, ...] | None = None,
+    *,
+    where: str = "ff.local_batch",
+) -> Batch:
     """This rank's share (along dim 0) of a global batch that every rank holds.
+
+    Use it wherever your own code needs this rank's examples (a ``torch.func`` loop of your
+    own, an evaluation): it is right under ``torchrun`` (a view of this rank's rows) and on a
+    simulated mesh, where each simulated rank gets its own rows (a per-rank tensor). Code
+    such as ``batch.chunk(n)[torch.distributed.get_rank()]`` is right only on real processes:
+    on a simulated mesh one process is every rank. ``train_step(..., batch="global")`` (the
+    default) takes the same share itself.
 
     Data ranks are numbered row-major over ``data_axes``; ranks that differ only in model
     axes (tp) get the same share.
 
+    Args:
+        batch: a tensor or a pytree of tensors, the same global batch on every rank; every
+            tensor is split along dim 0 (other leaves are kept as they are).
+        mesh: the mesh, or the ``FSDP`` model (``ff.fsdp(...)``), whose mesh and
+            ``data_axes`` are then used.
+        data_axes: the mesh axes that split the batch (default: the model's, or every axis
+            of the mesh but ``"tp"``).
+        where: the name that errors start with.
+
+    Returns:
+        A tree like ``batch`` holding this rank's ``batch_size / n_data_ranks`` examples.
+
     Raises:
-        ValueError: if the batch does not divide across the data-parallel ranks.
+        ValueError: if the batch does not divide across the data-parallel ranks, or an axis
+            is not one of the mesh's.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     share = ff.local_batch(torch.arange(4), mesh)
+        ...     [t.tolist() for t in ff.rank_values(share)]
+        [[0, 1], [2, 3]]
     """
+    if isinstance(mesh, FSDP):
+        model = mesh
+        mesh = model.mesh
+        if data_axes is None:
+            data_axes = model.data_axes
+    check_mesh(mesh, where)
+    names = tuple(axis_sizes(mesh))
+    if data_axes is None:
+        data_axes = tuple(a for a in names if a != "tp")
+    elif isinstance(data_axes, str):
+        data_axes = (data_axes,)
+    unknown = [a for a in data_axes if a not in names]
+    if unknown:
+        raise ValueError(
+            f"{where}: data axis {unknown[0]!r} is not an axis of the mesh "
+            f"{format_mesh(axis_sizes(mesh))}; pass data_axes from {names}, or the FSDP model "
+            f"itself (ff.local_batch(batch, sharded_model)) to use its data axes."
+        )
     sizes = axis_sizes(mesh)
     n = math.prod(sizes[a] for a in data_axes)
     leaves, treedef = optree.tree_flatten(batch)
     for t in leaves:
-        if isinstance(t, torch.Tensor) and t.shape[0] % n:
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] % n:
+            local = ", or pass each rank's own batch with train_step(..., batch='local')"
             raise ValueError(
-                f"train_step: a global batch of {_examples(t.shape[0])} (shape {tuple(t.shape)}) "
+                f"{where}: a global batch of {_examples(t.shape[0])} (shape {tuple(t.shape)}) "
                 f"does not divide across the {n} data-parallel ranks of {format_mesh(sizes)} "
-                f"(data axes {data_axes}); use a multiple of {n}, or pass each rank's own "
-                f"batch with train_step(..., batch='local')."
+                f"(data axes {data_axes}); use a multiple of {n}"
+                f"{local if where == 'train_step' else ''}."
             )
     if n == 1:
         return batch
@@ -342,8 +438,22 @@ def local_batch(batch: Batch, mesh: Any, data_axes: tuple[str, ...]) -> Batch:
         )
         return t.index_select(0, index)
 
-    out = [share(t) if isinstance(t, torch.Tensor) else t for t in leaves]
+    out = [share(t) if isinstance(t, torch.Tensor) and t.ndim else t for t in leaves]
     return optree.tree_unflatten(treedef, out)
+
+
+def _share_description(data: Batch, model: FSDP) -> str:
+    """Names this rank's share of a global batch in errors: which batch was counted."""
+    sizes = axis_sizes(model.mesh)
+    n = math.prod(sizes[a] for a in model.data_axes)
+    first = next(
+        (t for t in optree.tree_leaves(data) if isinstance(t, torch.Tensor) and t.ndim), None
+    )
+    total = f"{_examples(first.shape[0])}" if first is not None else "the batch"
+    return (
+        f"this rank's share of the global batch ({total} over the {n} data-parallel ranks "
+        f"of {format_mesh(sizes)}, data axes {model.data_axes})"
+    )
 
 
 # --------------------------------------------------------------------------- the step
@@ -538,6 +648,18 @@ def train_step(
         ...     state.step, sorted(state.trainable), state.params["bias"] is params["bias"]
         (1, ['weight'], True)
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step: loss_fn must be a function loss_fn(params, batch) -> scalar tensor, "
+            f"got {_short_repr(loss_fn)} ({type(loss_fn).__name__})."
+        )
+    _check_optimizer(optimizer, "train_step")
+    if model is not None and not isinstance(model, FSDP):
+        raise TypeError(
+            f"train_step: model= takes the FSDP description that ff.fsdp(module, mesh) returns "
+            f"(it knows the mesh and the data axes), got {type(model).__name__}; write "
+            f"sharded_model = ff.fsdp(model, mesh) and pass model=sharded_model."
+        )
     if isinstance(accumulate, bool) or not isinstance(accumulate, int):
         raise TypeError(
             f"train_step: accumulate must be an int (the number of micro-batches), got "
@@ -568,9 +690,9 @@ def train_step(
     def mean(total: list[Any], n: int) -> list[Any]:
         return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
 
-    def grads_and_loss(split: _Split, local: Batch) -> tuple[list[Any], torch.Tensor]:
+    def grads_and_loss(split: _Split, local: Batch, whose: str) -> tuple[list[Any], torch.Tensor]:
         """Gradients of the trainable leaves only: frozen ones are never differentiated."""
-        micro = split_batch(local, accumulate) if accumulate > 1 else [local]
+        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
         base = split.leaves
         train = split.train_leaves
         pullback = None
@@ -597,7 +719,7 @@ def train_step(
         return total, loss_sum / len(micro)
 
     def zero_grads_and_loss(
-        split: _Split, local: Batch, layout: tuple[tuple[str, P], ...]
+        split: _Split, local: Batch, layout: tuple[tuple[str, P], ...], whose: str
     ) -> tuple[list[Sharded], list[Sharded], torch.Tensor]:
         """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
         each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
@@ -605,7 +727,7 @@ def train_step(
         zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
         replicas = split.train_leaves
         shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
-        micro = split_batch(local, accumulate) if accumulate > 1 else [local]
+        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
             return _check_loss(loss_fn(split.full(t), b))
@@ -629,13 +751,23 @@ def train_step(
         return shards, total, loss_sum / len(micro)
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
+                f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
+                f"state each step returns to the next."
+            )
         params, opt_state, count = state.params, state.opt_state, state.step
+        if model is not None:
+            check_alive(model.mesh, "train_step")
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
         _check_not_empty(data)
-        local = (
-            local_batch(data, model.mesh, model.data_axes) if batch == "global" and model else data
-        )
+        whose = "this rank's batch (batch='local')"
+        local = data
+        if batch == "global" and model is not None:
+            local = local_batch(data, model.mesh, model.data_axes, where="train_step")
+            whose = _share_description(data, model)
         split = _Split(params, state.trainable)
         _check_differentiable(
             [split.paths[i] for i in split.index],
@@ -647,11 +779,11 @@ def train_step(
         zero = layout is not None and _is_zero(model, split, layout)
         at_rest = None
         if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
-            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout)
+            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose)
             train = split.train_def.unflatten(shard_leaves)
             grads = split.train_def.unflatten(grad_leaves)
         else:
-            grad_leaves, loss = grads_and_loss(split, local)
+            grad_leaves, loss = grads_and_loss(split, local, whose)
             grads = split.train_def.unflatten(grad_leaves)
             train = split.train
             if layout is not None:  # another layout: slice gradients and params to it

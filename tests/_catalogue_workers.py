@@ -299,6 +299,27 @@ def _train_bool_leaf(ctx: Ctx) -> Any:
     return step(state, torch.ones(2, 4))
 
 
+def _lora_state_without_trainable(ctx: Ctx) -> Any:
+    from ._trainable_workers import lora_llama
+
+    model, _ = lora_llama()
+    return ff.TrainState.create(ff.fsdp(model, ctx.mesh).shard(), ff.adamw(1e-3))
+
+
+def _step_after_simulation(ctx: Ctx) -> Any:
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(mlp(), mesh)
+        opt = ff.sgd(0.1)
+        step = ff.train_step(lambda p, b: sm.apply(p, b).sum(), opt, model=sm)
+        state = ff.TrainState.create(sm.shard(), opt)
+    return step(state, torch.ones(2, 8))
+
+
+def _get_rank_in_simulation(ctx: Ctx) -> Any:
+    batch = torch.arange(4)
+    return batch.chunk(2)[dist.get_rank()]  # as the README once wrote it
+
+
 def _loss_not_scalar(ctx: Ctx) -> Any:
     step, state = _step(ctx, per_example=True)
     return step(state, _batch(4))
@@ -861,8 +882,10 @@ CASES: list[Case] = [
         "train_step(accumulate=3) with 2 examples per rank",
         ValueError,
         (
-            "a batch of 2 examples does not split into 3 equal micro-batches",
-            "divisible by accumulate=3",
+            "train_step: this rank's share of the global batch (4 examples over the 2 "
+            "data-parallel ranks of Mesh(dp=2), data axes ('dp',)) holds 2 examples, which "
+            "does not split into 3 equal micro-batches (accumulate=3)",
+            "make it a multiple of 3",
         ),
         lambda ctx: _step_with_batch(ctx, 4, accumulate=3),
         real=True,
@@ -872,8 +895,9 @@ CASES: list[Case] = [
         "train_step(accumulate=2) with 1 example per rank",
         ValueError,
         (
-            "a batch of 1 example does not split into 2 equal micro-batches",
-            "divisible by accumulate=2",
+            "this rank's share of the global batch (2 examples over the 2 data-parallel ranks",
+            "holds 1 example, which does not split into 2 equal micro-batches (accumulate=2)",
+            "make it a multiple of 2",
         ),
         lambda ctx: _step_with_batch(ctx, 2, accumulate=2),
     ),
@@ -955,6 +979,103 @@ CASES: list[Case] = [
             "leave opt_specs out of train_step",
         ),
         lambda ctx: _zero_step(ctx, P("dp"), P()),
+    ),
+    Case(
+        "lora_state_without_trainable",
+        "TrainState.create(sm.shard(), opt) for a LoRA Llama (frozen base), no trainable=",
+        ValueError,
+        (
+            "TrainState.create: params['base_model.model.lm_head.weight'] and",
+            "are the shards of frozen parameters (requires_grad=False) of the module",
+            "trainable=sharded_model",
+        ),
+        _lora_state_without_trainable,
+        real=True,
+    ),
+    Case(
+        "step_after_simulation_ended",
+        "a train_step called after its simulated mesh has ended",
+        ValueError,
+        (
+            "train_step: the value's mesh Mesh(dp=2) belonged to ff.simulated_mesh({'dp': 2})",
+            "which has ended",
+            "persistent=True",
+        ),
+        _step_after_simulation,
+        where="plain",
+    ),
+    Case(
+        "fsdp_called_like_a_module",
+        "sharded_model(x) instead of sharded_model.apply(params, x)",
+        TypeError,
+        ("an FSDP description is not a module", "sharded_model.apply(params, *inputs)"),
+        lambda ctx: ff.fsdp(mlp(), ctx.mesh)(torch.ones(2, 8)),
+        real=True,
+    ),
+    Case(
+        "units_not_types_or_paths",
+        "ff.fsdp(model, mesh, units=[nn.Linear, 3])",
+        TypeError,
+        ("3 (int) is neither a module type nor a module path", "units={Block}"),
+        lambda ctx: ff.fsdp(mlp(), ctx.mesh, units=[nn.Linear, 3]),
+    ),
+    Case(
+        "local_batch_not_dividing",
+        "ff.local_batch of 3 examples on 2 data-parallel ranks",
+        ValueError,
+        (
+            "ff.local_batch: a global batch of 3 examples (shape (3, 8)) does not divide",
+            "Mesh(dp=2)",
+            "use a multiple of 2",
+        ),
+        lambda ctx: ff.local_batch(torch.ones(3, 8), ctx.mesh),
+        real=True,
+    ),
+    Case(
+        "local_batch_unknown_axis",
+        "ff.local_batch(batch, mesh, data_axes='pd')",
+        ValueError,
+        ("ff.local_batch: data axis 'pd' is not an axis of the mesh Mesh(dp=2)",),
+        lambda ctx: ff.local_batch(torch.ones(2, 8), ctx.mesh, data_axes="pd"),
+    ),
+    Case(
+        "get_rank_in_simulation",
+        "batch.chunk(2)[torch.distributed.get_rank()] on a simulated mesh",
+        RuntimeError,
+        (
+            "torch.distributed.get_rank() inside ff.simulated_mesh({'dp': 2})",
+            "torch would answer 0 for every rank",
+            "ff.local_batch(global_batch, sharded_model)",
+        ),
+        _get_rank_in_simulation,
+    ),
+    Case(
+        "torch_optimizer",
+        "TrainState.create(params, torch.optim.AdamW(model.parameters()))",
+        TypeError,
+        (
+            "TrainState.create: optimizer must be a GradientTransformation",
+            "got AdamW: torch.optim.AdamW holds its own state",
+            "ff.adamw(3e-4)",
+        ),
+        lambda ctx: ff.TrainState.create(
+            ff.fsdp(mlp(), ctx.mesh).shard(), torch.optim.AdamW(mlp().parameters())
+        ),
+        real=True,
+    ),
+    Case(
+        "step_given_params",
+        "step(params, batch) instead of step(state, batch)",
+        TypeError,
+        ("step(state, batch) takes a TrainState, got dict", "ff.TrainState.create(params"),
+        lambda ctx: _step(ctx)[0](ff.fsdp(mlp(), ctx.mesh).shard(), _batch(4)),
+    ),
+    Case(
+        "train_step_model_is_module",
+        "train_step(loss_fn, opt, model=module)",
+        TypeError,
+        ("train_step: model= takes the FSDP description", "got Sequential", "model=sharded_model"),
+        lambda ctx: ff.train_step(lambda p, b: b, ff.sgd(0.1), model=mlp()),
     ),
     Case(
         "donated_state_reused",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -115,6 +116,68 @@ def check_2d(ns: dict[str, Any]) -> dict[str, float]:
     with torch.no_grad():
         reference = lm_loss(ns["model"](ns["x"]), ns["y"])
     return {"loss": _close(ns["loss"], reference, 1e-5)}
+
+
+def notebook_variant(source: str) -> str:
+    """The block as its mesh line's comment says to run it in a notebook.
+
+    ``mesh = ff.make_mesh(...)  # torchrun; in a notebook: EXPR`` becomes ``mesh = EXPR``;
+    nothing else changes.
+    """
+    lines = source.splitlines()
+    for i, line in enumerate(lines):
+        found = re.match(r"^(\s*mesh = )ff\.make_mesh\(.*#.*in a notebook: (.+?)\s*$", line)
+        if found:
+            lines[i] = found.group(1) + found.group(2)
+            return "\n".join(lines) + "\n"
+    raise AssertionError("the block has no `mesh = ff.make_mesh(...)  # ... in a notebook: ...`")
+
+
+def run_one_screen_simulated(source: str, filename: str) -> dict[str, float]:
+    """The one screen in its notebook form (a persistent simulated mesh), in this process:
+    each simulated rank's step loss and torch.func gradients against one process on the
+    global batch."""
+    source = notebook_variant(source)
+    try:
+        ns = execute(source, filename)
+        if not ff.is_simulated():
+            raise AssertionError("the notebook form did not start a simulated mesh")
+        world = ff.axis_size(ns["mesh"], "dp")
+        grads = {n: ff.rank_values(g) for n, g in ff.gather(ns["grads"]).items()}
+        after = {n: ff.rank_values(p) for n, p in ff.gather(ns["state"].params).items()}
+        loss = ff.rank_values(ns["metrics"]["loss"])
+        # Made inside the simulation, the model and batch hold one tensor per rank.
+        batches = ff.rank_values(ns["global_batch"])
+        before = {n: ff.rank_values(p.detach()) for n, p in ns["model"].named_parameters()}
+    finally:
+        ff.end_simulation()
+    from functional_fsdp.models import lm_loss
+
+    model = ns["model"]
+    if not all(torch.equal(b, batches[0]) for b in batches):
+        raise AssertionError("the simulated ranks hold different global batches")
+
+    def on(values: list[torch.Tensor], r: int) -> torch.Tensor:
+        return values[r if len(values) > 1 else 0]
+
+    def reference(params: dict[str, torch.Tensor], r: int) -> torch.Tensor:
+        batch = on(batches, r)
+        logits = torch.func.functional_call(model, params, (batch[:, :-1],))
+        return lm_loss(logits, batch[:, 1:])
+
+    if {len(v) for v in grads.values()} != {world}:
+        raise AssertionError(f"expected one gradient per simulated rank ({world})")
+    out = {
+        "loss": max(
+            _close(v, reference({n: on(p, 0) for n, p in before.items()}, 0), 1e-5) for v in loss
+        )
+    }
+    errors = []
+    for r in range(world):
+        expected = torch.func.grad(reference)({n: on(v, r) for n, v in after.items()}, r)
+        errors += [_close(grads[n][r], expected[n], 1e-6) for n in grads]
+    out["grads"] = max(errors)
+    return out
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], Any]] = {

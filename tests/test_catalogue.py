@@ -117,3 +117,17 @@ def test_make_mesh_outside_torchrun_leaves_the_environment_as_it_was(monkeypatch
     assert after == before
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.startswith("bound 0 None"), child.stdout
+
+
+def test_units_take_a_list_or_set_of_classes_as_fsdp1_does():
+    # FSDP1's transformer_layer_cls is a set of classes: the same here, as a list or a set,
+    # and mixed with module-path patterns.
+    from torch import nn
+
+    model = W.mlp()
+    expected = ff.find_units(model, nn.Linear)
+    assert expected == ["0", "2"]
+    assert ff.find_units(model, [nn.Linear]) == expected
+    assert ff.find_units(model, {nn.Linear}) == expected
+    assert ff.find_units(model, [nn.ReLU, "2"]) == ["1", "2"]
+    assert ff.find_units(model, "2") == ["2"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
 import functional_fsdp as ff
 
@@ -102,6 +103,25 @@ def test_readme_block_runs(block, pools, tmp_path):
     print(
         filename, pools.run(block.nproc, W.run_block, block.source, filename, check, str(tmp_path))
     )
+
+
+@pytest.mark.timeout(300)
+def test_the_one_screen_in_a_notebook_is_right_on_every_simulated_rank():
+    # The same block, with the mesh line its comment gives for a notebook: every simulated
+    # rank's gradients equal one process's on the global batch (under torchrun:
+    # test_readme_block_runs). Its old last lines (batch.chunk(2)[dist.get_rank()]) took
+    # rank 0's half on every simulated rank; asking torch for the rank there now raises.
+    (block,) = [b for b in BLOCKS if b.heading == "In one screen"]
+    print(W.run_one_screen_simulated(block.source, f"README.md:{block.line}"))
+    old = "local_batch = global_batch.chunk(2)[torch.distributed.get_rank()]"
+    with (
+        ff.simulated_mesh({"dp": 2}),
+        pytest.raises(
+            RuntimeError, match=r"get_rank\(\) inside ff\.simulated_mesh.*ff\.local_batch"
+        ),
+    ):
+        exec(old, {"torch": torch, "global_batch": torch.zeros(4, 3)})
+    assert torch.distributed.get_rank.__module__ == "torch.distributed.distributed_c10d"
 
 
 def test_the_api_reference_documents_every_public_name_once():

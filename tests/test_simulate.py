@@ -230,7 +230,7 @@ def test_values_that_outlive_their_mesh_say_how_to_fix_it():
         ff.gather(x)
     with pytest.raises(ValueError, match=r"a collective over 'dp': .*" + ended):
         sm.apply(state.params, batch)
-    with pytest.raises(ValueError, match=r"shard\(\): .*" + ended):
+    with pytest.raises(ValueError, match=r"shard\(tree, mesh, specs\): .*" + ended):
         ff.shard(torch.ones(2), mesh, ff.P("dp"))
     # A new simulation of the same shape reuses process-group names: never silently.
     with ff.simulated_mesh({"dp": 2}):

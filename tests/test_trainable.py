@@ -127,13 +127,22 @@ def test_default_path_refuses_a_module_with_frozen_parameters_simulated():
         sm = ff.fsdp(model, mesh)
         opt = ff.adamw(W.LR)
         step = ff.train_step(lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm)
+        # At the point of the mistake: the state's creation, from the shards sm.shard() made.
+        with pytest.raises(
+            ValueError,
+            match=r"TrainState\.create: params\['2\.bias'\] and 1 more are the shards of frozen "
+            r"parameters.*ff\.TrainState\.create\(params, optimizer, trainable=sharded_model\)",
+        ):
+            ff.TrainState.create(sm.shard(), opt)
+        # Shards of the user's own tensors carry no mark: the step still refuses them.
+        own = sm.shard({n: p.detach() for n, p in model.named_parameters()})
         with pytest.raises(
             ValueError,
             match=r"the module has frozen parameters \(requires_grad=False\), e\.g\. '2\.weight' "
             r"and 1 more, but the TrainState was created without trainable=.*"
             r"ff\.TrainState\.create\(params, optimizer, trainable=sharded_model\)",
         ):
-            step(ff.TrainState.create(sm.shard(), opt), W.mlp_batches(1)[0])
+            step(ff.TrainState.create(own, opt), W.mlp_batches(1)[0])
         everything = ff.TrainState.create(sm.shard(), opt, trainable=lambda path, p: True)
         new, _ = step(everything, W.mlp_batches(1)[0])  # training all on purpose is allowed
         assert new.step == 1

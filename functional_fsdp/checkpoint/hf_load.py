@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .._partition import mark_frozen
 from ..dist.mesh import axis_sizes
 from ..dist.simulate import per_coordinate
 from ..sharded import Sharded
@@ -271,7 +272,7 @@ def load_safetensors(
     finally:
         for f in files.values():
             f.close()
-    return out
+    return mark_frozen(out, sm)
 
 
 def load_dcp_state_dict(

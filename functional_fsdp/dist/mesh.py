@@ -355,7 +355,8 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
 
 
 def check_mesh(mesh: Any, where: str) -> None:
-    """Raise a ``TypeError`` naming ``where`` if ``mesh`` is not a ``DeviceMesh``."""
+    """Raise a ``TypeError`` naming ``where`` if ``mesh`` is not a ``DeviceMesh``, and a
+    ``ValueError`` if it is the mesh of a simulation that has ended."""
     if not isinstance(mesh, DeviceMesh):
         from ..spec import P
 
@@ -368,6 +369,9 @@ def check_mesh(mesh: Any, where: str) -> None:
             f"({type(mesh).__name__}){swapped}. Build one with ff.make_mesh({{'dp': N}}) "
             f"(or ff.simulated_mesh in a notebook)."
         )
+    from .simulate import check_alive  # a simulated mesh must still be running
+
+    check_alive(mesh, where)
 
 
 def describe_mesh(mesh: DeviceMesh) -> str:

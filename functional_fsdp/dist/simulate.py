@@ -18,9 +18,11 @@ no values and no memory, for checking specs, shapes and collective counts at any
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
+import sysconfig
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
@@ -75,6 +77,7 @@ class _Simulation:
         self.axes, self.shapes_only, self.persistent = axes, shapes_only, persistent
         self.mode: Any = None
         self.mesh: DeviceMesh | None = None
+        self.restore_get_rank: Callable[[], None] | None = None
 
     def call(self) -> str:
         """How the simulation was asked for, for messages."""
@@ -111,6 +114,8 @@ class _Simulation:
         self.mode = mode
         if self.shapes_only:
             _SHAPES_ONLY.mark(self.mesh, True)
+        elif world > 1:  # shapes-only runs rank 0 alone, for which 0 is the right answer
+            self.restore_get_rank = _guard_get_rank(self.call(), world)
         return self.mesh
 
     def end(self) -> None:
@@ -124,10 +129,65 @@ class _Simulation:
                 )
             self.mode.__exit__(None, None, None)
             self.mode = None
+        if self.restore_get_rank is not None:
+            self.restore_get_rank()
+            self.restore_get_rank = None
         dist.destroy_process_group()
         if self.mesh is not None:
             _ENDED.mark(self.mesh, self.call())
             _forget_groups(self.mesh, self.call())
+
+
+def _library_paths() -> tuple[str, ...]:
+    """Where installed packages and the standard library live (their code is not the user's)."""
+    paths = sysconfig.get_paths()
+    return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)})
+
+
+def _called_by_library(frame: Any) -> bool:
+    """True when ``frame`` runs code of torch, of this library or of an installed package.
+
+    Those ask for the rank to pick a rank-0 printer or a device, where 0 is a fine answer
+    for a simulation's one process; the user's own code (a script, a notebook cell, a module
+    of theirs) asks it to pick data, where 0 for every rank is silently wrong.
+    """
+    module = frame.f_globals.get("__name__") or ""
+    if module.split(".")[0] in ("torch", "functional_fsdp"):
+        return True
+    return frame.f_code.co_filename.startswith(_library_paths())
+
+
+def _guard_get_rank(call: str, world: int) -> Callable[[], None]:
+    """Make ``torch.distributed.get_rank()`` refuse the user's code while ``call`` runs.
+
+    On a simulation, torch answers 0 for every rank, and code that picks its share of the data
+    with it (``batch.chunk(n)[dist.get_rank()]``) silently trains every rank on rank 0's
+    share. Torch's own calls, this library's and installed packages' go through. Returns the
+    function that puts torch's ``get_rank`` back.
+    """
+    original = dist.get_rank
+
+    @functools.wraps(original)
+    def get_rank(group: Any = None) -> int:
+        if _called_by_library(sys._getframe(1)):
+            return original(group)
+        raise RuntimeError(
+            f"torch.distributed.get_rank() inside {call}: this one process is all {world} "
+            f"simulated ranks, so no single rank number is right (torch would answer 0 for "
+            f"every rank, and every rank would take rank 0's data). For this rank's share of "
+            f"a global batch use ff.local_batch(global_batch, sharded_model) (or "
+            f"ff.local_batch(global_batch, mesh)), which is right here and under torchrun; "
+            f"ff.rank_values(x) shows a value's per-rank tensors; and code that prints on rank "
+            f"0 only can print unconditionally in a simulation."
+        )
+
+    dist.get_rank = get_rank
+
+    def restore() -> None:
+        if dist.get_rank is get_rank:
+            dist.get_rank = original
+
+    return restore
 
 
 def _current_mode(mode: Any) -> Any:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._partition import mark_frozen
 from ..dist.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
 from ..dist.simulate import is_shapes_only
 from ..sharded import Sharded
@@ -191,6 +192,7 @@ class FSDP:
         :func:`~functional_fsdp.init_sharded` (which also returns the buffers, needed when
         they are on ``meta`` too).
         """
+        own = params is None  # the shards are then the library's own: frozen ones are tagged
         if params is None:
             shapes_only = is_shapes_only(self.mesh)  # meta values are what it runs on
             if not shapes_only and any(p.is_meta for p in self.module.parameters()):
@@ -207,7 +209,16 @@ class FSDP:
                 return init_sharded(self)[0]
             params = {n: p.detach() for n, p in self.module.named_parameters()}
         sharded = shard(params, self.mesh, self.param_specs())
-        return to_host(sharded) if self.policy.offload else sharded
+        sharded = to_host(sharded) if self.policy.offload else sharded
+        return mark_frozen(sharded, self) if own else sharded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"an FSDP description is not a module and is not called: it has no parameters "
+            f"of its own (they live in the tree sharded_model.shard() returns). Run the "
+            f"{type(self.module).__name__} with sharded_model.apply(params, *inputs) "
+            f"(torch.func.functional_call semantics), e.g. inside your loss function."
+        )
 
     def apply(
         self,

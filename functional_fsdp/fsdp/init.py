@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils import swap_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._partition import mark_frozen
 from ..dist.simulate import is_simulated
 from ..sharded import Sharded
 from ..sharding import shard
@@ -552,4 +553,4 @@ def init_sharded(
         with _real_tensors():
             _set_rng_state(dry.states[-1], device)
     names = [n for n, _ in module.named_buffers()]
-    return {k: params[k] for k in specs}, {n: buffers[n] for n in names}
+    return mark_frozen({k: params[k] for k in specs}, sm), {n: buffers[n] for n in names}

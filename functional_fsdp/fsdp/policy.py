@@ -7,7 +7,7 @@ module paths. Both feed :func:`functional_fsdp.fsdp.plan.make_plan`.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,20 +97,33 @@ Forward = Callable[..., Any]
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 """``wrapper(module, forward) -> forward``: called per ``apply`` with the call's own copy of the
 module (so attributes it sets last one call) and the forward to wrap."""
-UnitsArg = type | tuple[type, ...] | Sequence[str] | Callable[[str, nn.Module], bool] | None
+UnitsArg = type | str | Collection[type | str] | Callable[[str, nn.Module], bool] | None
+
+_UNITS_HELP = (
+    "units takes a module type (units=nn.TransformerEncoderLayer), a list, tuple or set of "
+    "types and/or module paths and fnmatch patterns (units={Block} or units=['blocks.*']), "
+    "or a predicate fn(path, module) -> bool"
+)
 
 
 def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
     """Module paths of the units (outermost matches; the root is implicit).
 
-    ``units`` may be a module type (or tuple of types), a list of module paths or fnmatch
-    patterns (``"blocks.*"``), or a predicate ``fn(path, module) -> bool``. The default picks
-    the children of every ``nn.ModuleList``/``nn.Sequential``, one unit per transformer block.
+    ``units`` may be a module type; a list, tuple or set of module types and/or module
+    paths and fnmatch patterns (``"blocks.*"``), as FSDP1's ``transformer_layer_cls`` takes
+    a set of classes; or a predicate ``fn(path, module) -> bool``. The default picks the
+    children of every ``nn.ModuleList``/``nn.Sequential``, one unit per transformer block.
+
+    Raises:
+        TypeError: if ``units`` or one of its items is none of those.
+        ValueError: if a path or pattern matches no submodule.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
         >>> find_units(model, nn.Linear)
         ['0', '2']
+        >>> find_units(model, {nn.Linear, nn.ReLU})
+        ['0', '1', '2']
     """
     named = [(p, m) for p, m in module.named_modules() if p]
     if units is None:
@@ -122,9 +135,7 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
             parent = path.rpartition(".")[0]
             return parent in containers and any(True for _ in m.parameters())
 
-    elif isinstance(units, type) or (
-        isinstance(units, tuple) and all(isinstance(u, type) for u in units)
-    ):
+    elif isinstance(units, type):
 
         def match(path: str, m: nn.Module) -> bool:
             return isinstance(m, units)  # type: ignore[arg-type]
@@ -132,7 +143,19 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
     elif callable(units):
         match = units  # type: ignore[assignment]
     else:
-        patterns = list(units)  # type: ignore[arg-type]
+        if isinstance(units, str):
+            units = [units]
+        if not isinstance(units, Collection):
+            raise TypeError(f"units={units!r} ({type(units).__name__}): {_UNITS_HELP}.")
+        items = list(units)
+        bad = [u for u in items if not isinstance(u, (type, str))]
+        if bad:
+            raise TypeError(
+                f"units={units!r}: {bad[0]!r} ({type(bad[0]).__name__}) is neither a module "
+                f"type nor a module path; {_UNITS_HELP}."
+            )
+        types = tuple(u for u in items if isinstance(u, type))
+        patterns = [u for u in items if isinstance(u, str)]
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(p, pat) for p, _ in named):
                 raise ValueError(
@@ -143,7 +166,7 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
                 )
 
         def match(path: str, m: nn.Module) -> bool:
-            return any(fnmatch.fnmatchcase(path, pat) for pat in patterns)
+            return isinstance(m, types) or any(fnmatch.fnmatchcase(path, pat) for pat in patterns)
 
     chosen: list[str] = []
     for path, m in named:

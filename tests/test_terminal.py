@@ -1,0 +1,118 @@
+"""Terminal output at 80 columns: ``ff.describe`` never breaks a parameter path, and
+``ff.visualize`` stays legible in 16 colours and with colour off (the labels carry the
+information; colour only helps). Behaviour, not escape codes: the text is read back, and the
+colours are rich's own styles as a 16-colour terminal would show them."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+
+import pytest
+import torch
+from rich.color import ColorSystem
+from rich.console import Console
+
+import functional_fsdp as ff
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def lora_params():
+    """The parameter names and shards of a peft LoRA Llama: long dotted paths."""
+    from ._trainable_workers import lora_llama
+
+    model, _ = lora_llama()
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        return ff.fsdp(model, mesh).shard()  # describe reads only the layouts
+
+
+def _text(fn, tree, width: int, **console) -> str:
+    out = io.StringIO()
+    fn(tree, console=Console(width=width, file=out, **console))
+    return out.getvalue()
+
+
+def test_describe_never_breaks_a_path_at_80_columns(lora_params):
+    text = _text(ff.describe, lora_params, 80, color_system=None)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80
+    for name, value in lora_params.items():
+        # The whole path on one line, and its figures right after it.
+        (i,) = [
+            i for i, line in enumerate(lines) if re.search(rf"(^|\s){re.escape(name)}(\s|$)", line)
+        ]
+        figures = lines[i] + lines[i + 1]
+        assert str(value.global_shape) in figures and str(value.layout.local_shape) in figures
+    # Wide enough, the same figures are one table row per parameter.
+    wide = _text(ff.describe, lora_params, 200, color_system=None)
+    for name, value in lora_params.items():
+        (row,) = [line for line in wide.splitlines() if f" {name} " in line]
+        assert str(value.global_shape) in row and str(value.layout.local_shape) in row
+
+
+def _labels_and_backgrounds(tree, color_system: str) -> dict[str, set[int | None]]:
+    """Each cell label of ``ff.visualize``'s grids, and the background colours (as numbers
+    of a terminal with that colour system) it was drawn in."""
+    console = Console(width=80, file=io.StringIO(), color_system=color_system, force_terminal=True)
+    seen: dict[str, set[int | None]] = {}
+
+    original = console.print
+
+    def capture(renderable, *args, **kwargs):
+        for segment in console.render(renderable, console.options):
+            label = segment.text.strip()
+            if re.fullmatch(r"(dp\d+,?)+(tp\d+)?( ×\d+)?|(dp|tp)\d+(,tp\d+)?", label):
+                bg = segment.style.bgcolor if segment.style else None
+                system = (
+                    ColorSystem.STANDARD if color_system == "standard" else ColorSystem.TRUECOLOR
+                )
+                number = bg.downgrade(system).number if bg is not None else None
+                seen.setdefault(label, set()).add(number)
+        original(renderable, *args, **kwargs)
+
+    console.print = capture  # type: ignore[method-assign]
+    ff.visualize(tree, console=console, legend=False)
+    return seen
+
+
+def test_visualize_in_16_colours_gives_each_coordinate_its_own_colour():
+    with ff.simulated_mesh({"dp": 4, "tp": 2}) as mesh:
+        w = ff.shard(torch.zeros(8, 6), mesh, ff.P("dp", "tp"))
+        seen = _labels_and_backgrounds(w, "standard")
+        column = _labels_and_backgrounds(
+            ff.shard(torch.zeros(16), mesh, ff.P(("dp", "tp"))), "standard"
+        )
+    assert len(seen) == 8
+    assert all(len(colours) == 1 and None not in colours for colours in seen.values())
+    assert len({c for colours in seen.values() for c in colours}) == 8, seen
+    # A column of 8 blocks: neighbours never share a colour.
+    order = [f"dp{d},tp{t}" for d in range(4) for t in range(2)]
+    colours = [next(iter(column[label])) for label in order]
+    assert all(a != b for a, b in itertools.pairwise(colours)), colours
+
+
+def test_visualize_with_colour_off_says_everything_in_words(monkeypatch, capsys):
+    with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
+        w = ff.shard(torch.zeros(5, 40), mesh, ff.P("dp", "tp"))
+        piped = _text(ff.visualize, w, 80, color_system=None)
+        # With colour, a legend comes first.
+        assert "colours:" in _text(
+            ff.visualize, w, 80, color_system="standard", force_terminal=True
+        )
+        # NO_COLOR on a colour terminal: the default console, as a user gets it.
+        monkeypatch.setenv("NO_COLOR", "1")
+        monkeypatch.setenv("FORCE_COLOR", "1")
+        monkeypatch.setenv("COLUMNS", "80")
+        ff.visualize(w)
+        no_color = capsys.readouterr().out
+    for text in (piped, no_color):
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+        assert not re.search(r"\x1b\[[0-9;]*(4[0-7]|10[0-7]|48;)", text)  # no background colour
+        assert "colours:" not in plain  # a colour legend means nothing without colour
+        for label in ("dp0,tp0", "dp0,tp1", "dp1,tp0", "dp1,tp1"):
+            assert label in plain
+        assert "+1 pad" in plain
+        assert max(map(len, plain.splitlines())) <= 80
