@@ -306,7 +306,8 @@ def _residual_stream(
             for p in planned
             if p.startswith(f"{layer}.")
         }
-        for root in sorted(roots - blocks):
+        if unsure := sorted(roots - blocks):
+            root = unsure[0]
             raise ValueError(
                 f"hf_tp_plan(sequence_parallel=True): {root!r} ({type(modules[root]).__name__}) "
                 f"holds split modules, but its forward cannot be shown to pass its input to "
