@@ -7,6 +7,7 @@ plain numbers (and error messages), one dict per architecture.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ from ._tp_hf_workers import errors, logits_of, ours, reference, with_lora
 from ._zoo import ZOO, Arch
 
 BATCH, SEQ, STEPS, LR = 4, 8, 2, 1e-2
+COMMS = ("llama", "phi")  # "tp_comms" runs on these: attention + MLP blocks, attention only
 OPT: dict[str, Any] = dict(weight_decay=0.1, eps=1e-6)
 
 
@@ -93,6 +95,45 @@ def lora_tp(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
     return errors(ours(peft_model, mesh, plan, idx, tgt), reference(peft_model, idx, tgt))
 
 
+def per_linear(plan: dict[str, ff.Style]) -> dict[str, ff.Style]:
+    """``plan`` without :class:`PrepareInput`: each colwise linear all-reduces its own input
+    gradient (``hf_tp_plan``'s plan before blocks shared one all-reduce)."""
+    return {
+        k: dataclasses.replace(s, input="replicated")
+        if isinstance(s, ff.ColwiseParallel) and s.input == "prepared"
+        else s
+        for k, s in plan.items()
+        if not isinstance(s, ff.PrepareInput)
+    }
+
+
+def backward_all_reduces(
+    model: nn.Module, mesh: Any, plan: dict[str, ff.Style], idx: torch.Tensor, tgt: torch.Tensor
+) -> int:
+    """All-reduces over tp in one backward pass (a step's, less its forward's)."""
+    with ff.count_comms() as step:
+        ours(model, mesh, plan, idx, tgt)
+    tp = ff.tensor_parallel(model, mesh, plan)
+    f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+    params = f.shard()
+    x, y = local_batch((idx, tgt), mesh, f.data_axes)
+    with ff.count_comms() as forward, torch.no_grad():
+        ff.vocab_parallel_cross_entropy(logits_of(f.apply(params, x)), y, mesh)
+    return step.count("all_reduce", "tp") - forward.count("all_reduce", "tp")
+
+
+def tp_comms(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
+    """Backward all-reduces over tp with ``hf_tp_plan`` (one per block) and per linear."""
+    idx, tgt = batch(arch)
+    plan = ff.hf_tp_plan(model)
+    return {
+        "shared": backward_all_reduces(model, mesh, plan, idx, tgt),
+        "per_linear": backward_all_reduces(model, mesh, per_linear(plan), idx, tgt),
+        "blocks": sorted(k for k, s in plan.items() if isinstance(s, ff.PrepareInput)),
+        "layers": model.config.num_hidden_layers,
+    }
+
+
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
@@ -108,13 +149,16 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     - ``"train"``: the same on every parameter, for the MoE models (their expert weights);
     - ``"tp"`` / ``"tp_gathered"``: (dp = world / 2, tp = 2) with ``ff.hf_tp_plan``, logits
       split over the vocabulary (``vocab_parallel_cross_entropy``) or gathered;
-    - ``"lora_tp"``: the same mesh and plan on a peft LoRA model (adapter gradients).
+    - ``"lora_tp"``: the same mesh and plan on a peft LoRA model (adapter gradients);
+    - ``"tp_sp"``: as ``"tp"``, with ``hf_tp_plan(sequence_parallel=True)``;
+    - ``"tp_comms"``: (models in ``COMMS``) backward all-reduces over tp, one per block
+      (``hf_tp_plan``) and one per colwise linear.
 
     A mode that raises reports ``{mode: "error"}`` with the message, not a number.
     """
     world = dist.get_world_size()
     dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train"} & set(modes) else None
-    tp_modes = {"tp", "tp_gathered", "lora_tp"}
+    tp_modes = {"tp", "tp_gathered", "lora_tp", "tp_sp", "tp_comms"}
     tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if tp_modes & set(modes) else None
     out: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -131,16 +175,24 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
                     result[mode] = _guarded(train_vs_adamw, model, arch, dp, False)
             elif mode == "lora_tp":
                 result[mode] = _guarded(lora_tp, model, arch, tp)
+            elif mode == "tp_comms":
+                if name in COMMS:
+                    result[mode] = _guarded(tp_comms, model, arch, tp)
             elif isinstance(want, dict):  # the reference itself failed
                 result[mode] = want
             elif mode == "fsdp":
                 result[mode] = _guarded(lambda: errors(fsdp_loss_grads(model, dp, idx, tgt), want))
                 result[mode]["parameters"] = len(list(model.parameters()))
             else:
-                lp = mode == "tp"
+                lp, sp = mode != "tp_gathered", mode == "tp_sp"
 
-                def check(lp: bool = lp) -> dict[str, Any]:
-                    plan = ff.hf_tp_plan(model, loss_parallel=lp, require_layer_plan=arch.tp_plan)
+                def check(lp: bool = lp, sp: bool = sp) -> dict[str, Any]:
+                    plan = ff.hf_tp_plan(
+                        model,
+                        loss_parallel=lp,
+                        require_layer_plan=arch.tp_plan,
+                        sequence_parallel=sp,
+                    )
                     return errors(ours(model, tp, plan, idx, tgt, loss_parallel=lp), want)
 
                 result[mode] = _guarded(check)

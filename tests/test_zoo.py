@@ -27,6 +27,7 @@ TOL, LORA_PARAM_TOL = 1e-5, 1e-4
 RUNS = [n for n, a in ZOO.items() if a.torch_func]
 BROKEN = [n for n, a in ZOO.items() if not a.torch_func]
 FEW = ["gemma", "qwen2_moe", "gpt2"]  # tied and scaled, MoE, uneven vocabulary
+SEQUENCE_PARALLEL = [n for n in RUNS if ZOO[n].tp_plan and not ZOO[n].moe]
 
 
 def _close(result: dict) -> None:
@@ -39,8 +40,10 @@ def _close(result: dict) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(pools):
     """Every model once per rank: FSDP and LoRA (full training for MoE) on dp=2, FSDP + TP on
-    dp=1 x tp=2."""
-    return pools.run(2, Z.zoo_checks, list(ZOO), ("fsdp", "lora", "train", "tp"))
+    dp=1 x tp=2 (with and without sequence parallelism; all-reduces counted on two)."""
+    return pools.run(
+        2, Z.zoo_checks, list(ZOO), ("fsdp", "lora", "train", "tp", "tp_sp", "tp_comms")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +89,38 @@ def _trained(result: dict) -> None:
 def test_fsdp_tp_from_the_models_plan_matches_one_process(two_ranks, name):
     for rank in two_ranks:
         _close(rank[name]["tp"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SEQUENCE_PARALLEL)
+def test_sequence_parallel_from_the_models_plan_matches_one_process(two_ranks, name):
+    for rank in two_ranks:
+        _close(rank[name]["tp_sp"])
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_refuses_what_it_cannot_place(two_ranks):
+    for rank in two_ranks:
+        for name in (n for n, a in ZOO.items() if a.moe):
+            assert "ExpertParallel), which need every token" in rank[name]["tp_sp"]["error"]
+        for name in (n for n in RUNS if not ZOO[n].tp_plan):  # only the vocabulary is split
+            assert "does not name one list of decoder layers" in rank[name]["tp_sp"]["error"]
+
+
+@pytest.mark.multiprocess
+def test_one_backward_all_reduce_per_block(two_ranks):
+    # Backward all-reduces over tp in one step: one for each attention's input (q, k and v
+    # share it), one for each MLP's, one for the head's; per linear, one for each of q, k, v
+    # (and gate, up: Llama's MLP has two colwise linears, Phi's one).
+    colwise = {"llama": (3, 2), "phi": (3, 1)}
+    for rank in two_ranks:
+        for name in Z.COMMS:
+            result = rank[name]["tp_comms"]
+            assert "error" not in result, result
+            layers, (attention, mlp) = result["layers"], colwise[name]
+            assert len(result["blocks"]) == 2 * layers, result
+            assert result["shared"] == 2 * layers + 1, result
+            assert result["per_linear"] == (attention + mlp) * layers + 1, result
 
 
 @pytest.mark.multiprocess
@@ -262,14 +297,64 @@ def test_the_models_own_loss_needs_gathered_logits():
         torch.testing.assert_close(value, want)
 
 
-def test_llama_plan_and_the_models_own_plan_give_one_layout():
-    # llama_plan is the hand-written Llama plan (sequence parallelism, one backward all-reduce
-    # for q, k and v); on a Llama it lays parameters out as hf_tp_plan does.
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_llama_plan_and_the_models_own_plan_give_one_plan(sequence_parallel):
+    # llama_plan (from the config) and hf_tp_plan (from the model) are built by one function:
+    # on a Llama every module gets the same style, PrepareInput on attention and MLP included.
     model = ZOO["llama"].build()
+    options = dict(sequence_parallel=sequence_parallel)
     with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
-        ours = ff.tensor_parallel(model, mesh, llama_plan(model.config)).specs
-        theirs = ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model)).specs
-    assert ours == theirs
+        ours = ff.tensor_parallel(model, mesh, llama_plan(model.config, **options))
+        theirs = ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model, **options))
+    assert ours.specs == theirs.specs
+    assert ours.styles == {k: s for k, s in theirs.styles.items() if k}  # "": no labels=
+    assert isinstance(ours.styles["model.layers.1.self_attn"], ff.PrepareInput)
+
+
+def _residual_attention(model: torch.nn.Module, layer: int) -> None:
+    """Give ``model`` (built here) at ``layer`` Llama's attention plus a residual inside it: the
+    attention's input then reaches more than q, k and v."""
+    cls = type(model.model.layers[layer].self_attn)
+
+    class ResidualAttention(cls):
+        def forward(self, hidden_states, *args, **kwargs):
+            out, weights = super().forward(hidden_states, *args, **kwargs)
+            return out + hidden_states, weights
+
+    old = model.model.layers[layer].self_attn
+    new = ResidualAttention(model.config, layer_idx=layer)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[layer].self_attn = new
+
+
+def test_a_block_whose_input_reaches_more_than_its_linears_keeps_one_all_reduce_per_linear():
+    # q, k and v may share their input's all-reduce only if nothing else reads that input (a
+    # residual inside the attention would be summed over tp too). hf_tp_plan reads forward's
+    # source: here layer 0's attention input also reaches a residual, so its linears keep
+    # their own all-reduce and the numbers are right; sequence parallelism is refused.
+    model = ZOO["llama"].build()
+    _residual_attention(model, 0)
+    plan = ff.hf_tp_plan(model)
+    assert "model.layers.0.self_attn" not in plan  # not a block: one all-reduce per linear
+    assert plan["model.layers.0.self_attn.q_proj"].input == "replicated"
+    assert plan["model.layers.1.self_attn.q_proj"].input == "prepared"
+    _close(_tp_errors(model, plan))
+    forced = {  # what a shared all-reduce would give: the residual's gradient summed over tp
+        **plan,
+        "model.layers.0.self_attn": ff.PrepareInput(),
+        **{
+            f"model.layers.0.self_attn.{n}_proj": plan[f"model.layers.1.self_attn.{n}_proj"]
+            for n in "qkv"
+        },
+    }
+    assert _tp_errors(model, forced)["grad_err"] > 1e-3
+    with pytest.raises(
+        ValueError,
+        match=r"hf_tp_plan\(sequence_parallel=True\): 'model\.layers\.0\.self_attn' "
+        r"\(ResidualAttention\) holds split modules, but its forward cannot be shown to pass "
+        r"its input to its colwise linears only",
+    ):
+        ff.hf_tp_plan(model, sequence_parallel=True)
 
 
 def test_hf_tp_plan_checks_head_counts():

@@ -12,24 +12,18 @@ peft LoRA model (``prefix="base_model.model."``): the colwise and rowwise styles
 LoRA layers around the projections.
 
 For any other ``transformers`` model, :func:`functional_fsdp.hf_tp_plan` reads the model's own
-plan; on a Llama it gives the same parameter layout. This hand-written plan adds sequence
-parallelism and one backward all-reduce for q, k and v (``PrepareInput``), and needs only the
-config.
+plan. Both build their styles with the same function (``tp/_megatron.py``): on a Llama,
+``hf_tp_plan(model)`` gives the same styles as ``llama_plan(model.config)``, keyed by module
+paths instead of patterns (plus the check that the model's call has no ``labels=``). This
+plan needs only the config, and serves other models with Llama's names whose plans differ.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from ..tp.styles import (
-    ColwiseParallel,
-    PrepareInput,
-    RowwiseParallel,
-    ScatterInput,
-    SequenceParallel,
-    Style,
-    VocabParallelEmbedding,
-)
+from ..tp._megatron import megatron_plan
+from ..tp.styles import Style
 
 
 def _config_problem(config: Any) -> str | None:
@@ -80,32 +74,28 @@ def llama_plan(
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads
     )
-    sp = sequence_parallel
-    seq: Literal["replicated", "sequence"] = "sequence" if sp else "replicated"
-    block = PrepareInput(sequence_dim=1 if sp else None)
     layers = f"{prefix}model.layers.*"
-    plan: dict[str, Style] = {
-        f"{prefix}model.embed_tokens": VocabParallelEmbedding(),
-        f"{layers}.self_attn": block,
-        f"{layers}.self_attn.[qkv]_proj": ColwiseParallel(input="prepared", head_dim=head_dim),
-        f"{layers}.self_attn.o_proj": RowwiseParallel(output=seq),
-        f"{layers}.mlp": block,
-        f"{layers}.mlp.gate_proj": ColwiseParallel(input="prepared"),
-        f"{layers}.mlp.up_proj": ColwiseParallel(input="prepared"),
-        f"{layers}.mlp.down_proj": RowwiseParallel(output=seq),
-        f"{prefix}lm_head": ColwiseParallel(
-            input="sequence" if sp else "replicated",
-            output="sharded" if loss_parallel else "replicated",
-            padded=True,
+    qkv = f"{layers}.self_attn.[qkv]_proj"
+    # Llama's attention and MLP read their input only through these linears (as
+    # hf_tp_plan finds in their forward's source): one PrepareInput each.
+    return megatron_plan(
+        {
+            qkv: "colwise",
+            f"{layers}.self_attn.o_proj": "rowwise",
+            f"{layers}.mlp.gate_proj": "colwise",
+            f"{layers}.mlp.up_proj": "colwise",
+            f"{layers}.mlp.down_proj": "rowwise",
+        },
+        blocks=(f"{layers}.self_attn", f"{layers}.mlp"),
+        head_dims={qkv: head_dim},
+        embedding=f"{prefix}model.embed_tokens",
+        head=f"{prefix}lm_head",
+        first_layer=f"{prefix}model.layers.0",
+        sequence_norms=(
+            f"{layers}.input_layernorm",
+            f"{layers}.post_attention_layernorm",
+            f"{prefix}model.norm",
         ),
-    }
-    if sp:
-        plan.update(
-            {
-                f"{prefix}model.layers.0": ScatterInput(dim=1),
-                f"{layers}.input_layernorm": SequenceParallel(),
-                f"{layers}.post_attention_layernorm": SequenceParallel(),
-                f"{prefix}model.norm": SequenceParallel(),
-            }
-        )
-    return plan
+        loss_parallel=loss_parallel,
+        sequence_parallel=sequence_parallel,
+    )

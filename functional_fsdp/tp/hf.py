@@ -20,6 +20,11 @@ model runs FSDP + TP in one line::
 | ``replicated_with_grad_allreduce`` | ``ReplicatedParallel()`` |
 | ``moe_tp_experts`` | ``ExpertParallel()`` (whole experts per rank) |
 | ``packed_colwise``, ``rowwise`` on expert weights | covered by ``ExpertParallel`` |
+
+Colwise linears that read nothing but their block's input (q, k, v of an attention) take
+``input="prepared"`` under a :class:`PrepareInput` on the block: one backward all-reduce
+for all of them. ``sequence_parallel=True`` adds Megatron's sequence parallelism. Both come
+from the same builder as :func:`~functional_fsdp.llama_plan` (``tp/_megatron.py``).
 """
 
 from __future__ import annotations
@@ -32,22 +37,19 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._megatron import COLWISE_KINDS, LINEAR_KINDS, head_style, megatron_plan, reads_input_only
 from .styles import (
-    ColwiseParallel,
     ExpertParallel,
     Forward,
     ForwardWrapper,
     ReplicatedParallel,
-    RowwiseParallel,
     Style,
     VocabParallelEmbedding,
 )
 
+# The linear styles (colwise, rowwise, colwise_gather_output, rowwise_split_input) are
+# mapped by megatron_plan; the rest here.
 _STYLES: dict[str, Callable[[], Style]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "colwise_gather_output": lambda: ColwiseParallel(output="replicated"),
-    "rowwise_split_input": lambda: RowwiseParallel(input="replicated"),
     "embedding_rowwise": VocabParallelEmbedding,
     "replicated_with_grad_allreduce": ReplicatedParallel,
     "moe_tp_experts": ExpertParallel,
@@ -83,6 +85,7 @@ def hf_tp_plan(
     vocab_parallel: bool = True,
     overrides: Mapping[str, Style | None] | None = None,
     require_layer_plan: bool = True,
+    sequence_parallel: bool = False,
 ) -> dict[str, Style]:
     """A TP plan for a ``transformers`` model from the model's own plan.
 
@@ -102,13 +105,29 @@ def hf_tp_plan(
             leaves it out with ``None``.
         require_layer_plan: raise when the config has no ``base_model_tp_plan``; ``False``
             splits only the vocabulary (embedding and head) of such a model.
+        sequence_parallel: keep the residual stream split along the sequence between the
+            decoder layers (Megatron's sequence parallelism): the first layer's input is
+            scattered (the model computes its mask and positions from the whole sequence
+            before that), the modules with parameters on the residual stream (the layers'
+            norms, the final norm) run on a part of the sequence and sum their gradients
+            over tp, each attention and MLP block all-gathers its input once, and the rowwise
+            linears reduce-scatter instead of all-reducing. The sequence length must be a
+            multiple of tp. Mixture-of-experts models are refused.
+
+    One backward all-reduce per block: where a module's colwise linears (an attention's
+    q, k and v; an MLP's gate and up) read nothing but the module's input (checked in the
+    source of its ``forward``: the input reaches those linears and shape queries only), the
+    module gets :class:`~functional_fsdp.PrepareInput` and the linears
+    ``input="prepared"``, so the gradient of that input is all-reduced once, not once per
+    linear. Elsewhere each colwise linear enters the region itself.
 
     Returns:
         ``{module path: Style}`` for :func:`~functional_fsdp.tensor_parallel`.
 
     Raises:
         ValueError: the config has no plan (and ``require_layer_plan``), or the plan uses a
-            style this library cannot express (named with the module; pass ``overrides``).
+            style this library cannot express (named with the module; pass ``overrides``),
+            or ``sequence_parallel`` on a model whose layers or blocks it cannot place.
 
     Example:
         >>> import transformers
@@ -144,6 +163,8 @@ def hf_tp_plan(
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", 0)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
     plan: dict[str, Style] = {}
+    linears: dict[str, str] = {}  # module path -> transformers style, for megatron_plan
+    head_dims: dict[str, int] = {}
     weights: list[tuple[str, str, str]] = []  # (pattern, kind, parameter path)
     entries = [(f"{base}{k}", k, v) for k, v in base_plan.items()]
     entries += [(k, k, v) for k, v in _head_plan(inner).items()]
@@ -156,22 +177,38 @@ def hf_tp_plan(
         if key in _head_plan(inner):
             if kind != "colwise_gather_output":
                 raise _unsupported(name, key, kind, hits, modules)
-            plan.update({p: _head(loss_parallel) for p in hits})
+            plan.update({p: head_style(loss_parallel, sequence_parallel) for p in hits})
             continue
         if not hits:
             weights += [(key, kind, p) for p in _resolve(full, sorted(params))]
             continue
+        if kind in LINEAR_KINDS:
+            linears.update({p: kind for p in hits})
+            if kind == "colwise" and key.rpartition(".")[2] in _HEAD_SPLIT and head_dim:
+                head_dims.update({p: head_dim for p in hits})  # tp must divide the heads
+            continue
         if kind not in _STYLES:
             raise _unsupported(name, key, kind, hits, modules)
-        style = _STYLES[kind]()
-        if kind == "colwise" and key.rpartition(".")[2] in _HEAD_SPLIT and head_dim:
-            style = ColwiseParallel(head_dim=head_dim)  # tp must divide the (key/value) heads
-        plan.update({p: style for p in hits})
+        plan.update({p: _STYLES[kind]() for p in hits})
     for key, kind, param in weights:
         owner = param.rpartition(".")[0]
         if not (kind in _EXPERT_WEIGHT_STYLES and isinstance(plan.get(owner), ExpertParallel)):
             raise _unsupported(name, key, kind, [param], modules)
-    _add_vocabulary(inner, plan, loss_parallel, vocab_parallel)
+    blocks = _blocks(linears, plan, modules)
+    first_layer, norms = None, []
+    if sequence_parallel:
+        first_layer, norms = _residual_stream(name, inner, base, base_plan, plan, linears, blocks)
+    plan.update(
+        megatron_plan(
+            linears,
+            blocks=blocks,
+            head_dims=head_dims,
+            first_layer=first_layer,
+            sequence_norms=[n for n in norms if n not in plan],
+            sequence_parallel=sequence_parallel,
+        )
+    )
+    _add_vocabulary(inner, plan, loss_parallel, vocab_parallel, sequence_parallel)
     out = {f"{prefix}{p}": s for p, s in plan.items()}
     if loss_parallel:
         out[""] = LogitsSplitOverVocab()
@@ -213,14 +250,98 @@ def _head_plan(model: nn.Module) -> dict[str, str]:
     return dict(getattr(type(model), "_tp_plan", None) or {})
 
 
-def _head(loss_parallel: bool) -> ColwiseParallel:
-    if loss_parallel:
-        return ColwiseParallel(padded=True)
-    return ColwiseParallel(output="replicated")
+def _blocks(
+    linears: Mapping[str, str], plan: Mapping[str, Style], modules: Mapping[str, nn.Module]
+) -> set[str]:
+    """Modules whose colwise linears (children) read nothing but the module's input."""
+    children: dict[str, list[str]] = {}
+    for path, kind in linears.items():
+        if kind in COLWISE_KINDS:
+            parent, _, child = path.rpartition(".")
+            children.setdefault(parent, []).append(child)
+    return {
+        block
+        for block, names in children.items()
+        if block not in plan and block in modules and reads_input_only(modules[block], names)
+    }
+
+
+def _residual_stream(
+    name: str,
+    model: nn.Module,
+    base: str,
+    base_plan: Mapping[str, str],
+    plan: Mapping[str, Style],
+    linears: Mapping[str, str],
+    blocks: set[str],
+) -> tuple[str, list[str]]:
+    """For sequence parallelism: the first decoder layer, and the modules with parameters on
+    the residual stream (the layers' norms, and the modules registered after the layer list,
+    which run after it in every ``transformers`` decoder: the final norm)."""
+    modules = dict(model.named_modules())
+    lists = sorted({f"{base}{k.split('.*.')[0]}" for k in base_plan if ".*." in k})
+    layer_list = modules.get(lists[0]) if len(lists) == 1 else None
+    if not isinstance(layer_list, nn.ModuleList) or not len(layer_list):
+        raise ValueError(
+            f"hf_tp_plan(sequence_parallel=True): {name}'s plan does not name one list of "
+            f"decoder layers (its patterns start with {lists}), so the residual stream "
+            f"between them cannot be found. Use sequence_parallel=False, or write the plan "
+            f"(ScatterInput on the first layer, SequenceParallel on the norms)."
+        )
+    experts = [p for p, s in plan.items() if isinstance(s, ExpertParallel)]
+    if experts:
+        raise ValueError(
+            f"hf_tp_plan(sequence_parallel=True): {name} has experts ({experts[0]!r}, "
+            f"ExpertParallel), which need every token of the sequence on every rank; sequence "
+            f"parallelism would sum the outputs of different tokens. Use "
+            f"sequence_parallel=False for mixture-of-experts models."
+        )
+    planned = {*plan, *linears, *blocks}
+    layers = [f"{lists[0]}.{i}" for i, _ in layer_list.named_children()]
+    norms: list[str] = []
+    for layer in layers:
+        # The layer's children that hold planned modules must gather the sequence once.
+        roots = {
+            f"{layer}.{p[len(layer) + 1 :].split('.')[0]}"
+            for p in planned
+            if p.startswith(f"{layer}.")
+        }
+        if unsure := sorted(roots - blocks):
+            root = unsure[0]
+            raise ValueError(
+                f"hf_tp_plan(sequence_parallel=True): {root!r} ({type(modules[root]).__name__}) "
+                f"holds split modules, but its forward cannot be shown to pass its input to "
+                f"its colwise linears only (read from its source), so its input cannot be "
+                f"all-gathered along the sequence once for them. Use sequence_parallel=False, "
+                f"or write the plan (PrepareInput(sequence_dim=1) on it)."
+            )
+        norms += [
+            p
+            for p, m in modules[layer].named_modules(prefix=layer)
+            if not any(p == r or p.startswith(f"{r}.") for r in roots)
+            and any(True for _ in m.parameters(recurse=False))
+        ]
+    parent, _, list_name = lists[0].rpartition(".")
+    after = False
+    for child_name, child in modules[parent].named_children():
+        after = after or child_name == list_name
+        if after and child_name != list_name:
+            norms += [
+                p
+                for p, m in child.named_modules(
+                    prefix=f"{parent}.{child_name}" if parent else child_name
+                )
+                if any(True for _ in m.parameters(recurse=False))
+            ]
+    return layers[0], norms
 
 
 def _add_vocabulary(
-    model: nn.Module, plan: dict[str, Style], loss_parallel: bool, vocab_parallel: bool
+    model: nn.Module,
+    plan: dict[str, Style],
+    loss_parallel: bool,
+    vocab_parallel: bool,
+    sequence_parallel: bool,
 ) -> None:
     """The input embedding vocab-parallel and the output head colwise, where the plan is silent."""
     by_id = {id(m): p for p, m in model.named_modules()}
@@ -231,7 +352,7 @@ def _add_vocabulary(
     if vocab_parallel and isinstance(embedding, nn.Embedding) and id(embedding) in by_id:
         plan.setdefault(by_id[id(embedding)], VocabParallelEmbedding())
     if isinstance(head, nn.Linear) and id(head) in by_id:
-        plan.setdefault(by_id[id(head)], _head(loss_parallel))
+        plan.setdefault(by_id[id(head)], head_style(loss_parallel, sequence_parallel))
 
 
 def _unsupported(
@@ -242,7 +363,7 @@ def _unsupported(
     return ValueError(
         f"hf_tp_plan: {name}'s plan gives {key!r} the transformers style {kind!r} "
         f"({where!r}, {what}), which this library cannot express yet; it maps "
-        f"{sorted(_STYLES)} (and expert weights under 'moe_tp_experts'). Give that entry a "
+        f"{sorted([*LINEAR_KINDS, *_STYLES])} (and expert weights under 'moe_tp_experts'). Give that entry a "
         f"style yourself: hf_tp_plan(model, overrides={{{key!r}: ...}}) (a Style, or None to "
         f"leave it replicated)."
     )
