@@ -18,6 +18,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from . import rng as random
 from ._partition import module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, keystr, tree_leaves
 from .dist import collectives as C
@@ -69,6 +70,9 @@ class TrainState:
         step: completed optimizer steps (an int, or a 0-dim integer tensor).
         trainable: the dotted names of the trainable leaves of ``params``, or ``None`` when
             all are trainable. Static: part of the pytree structure, not a leaf.
+        rng: the random key (an ``int64[2]`` tensor from :func:`~functional_fsdp.rng_key`) that
+            every step's random numbers (dropout) derive from; saved with the state. ``None``:
+            the step leaves torch's generator alone (see ``docs/randomness.md``).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -78,7 +82,7 @@ class TrainState:
         (0, ['lora'], ['lora'])
     """
 
-    __slots__ = ("_donated_at", "_opt_state", "_params", "_step", "_trainable")
+    __slots__ = ("_donated_at", "_opt_state", "_params", "_rng", "_step", "_trainable")
 
     def __init__(
         self,
@@ -86,8 +90,10 @@ class TrainState:
         opt_state: Any,
         step: int = 0,
         trainable: frozenset[str] | None = None,
+        rng: torch.Tensor | None = None,
     ) -> None:
         self._params, self._opt_state, self._step = params, opt_state, step
+        self._rng = rng
         self._trainable = None if trainable is None else frozenset(trainable)
         self._donated_at: int | None = None
 
@@ -98,6 +104,7 @@ class TrainState:
         *,
         trainable: Any = None,
         opt_specs: Any = None,
+        rng: int | torch.Tensor | None = 0,
     ) -> TrainState:
         """A fresh state at step 0, with optimizer state for the trainable parameters only.
 
@@ -111,6 +118,10 @@ class TrainState:
                 tree of bools. ``None``: all of them.
             opt_specs: for ZeRO-1, the optimizer-state layout (the same value passed to
                 :func:`train_step`), e.g. ``P("dp")`` with replicated ``P()`` params.
+            rng: the seed (an int) or key (:func:`~functional_fsdp.rng_key`) of the run's
+                randomness: every step's dropout masks derive from it, the step count and
+                the data-parallel rank. ``None``: no key; steps draw from torch's global
+                generator as the caller left it.
 
         Raises:
             ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
@@ -139,7 +150,7 @@ class TrainState:
         _check_differentiable(paths, leaves, "TrainState.create", names is None)
         if opt_specs is not None:
             train = reshard(train, restrict_specs(opt_specs, train))
-        return TrainState(params, optimizer.init(train), 0, names)
+        return TrainState(params, optimizer.init(train), 0, names, _as_key(rng))
 
     def _alive(self) -> None:
         if self._donated_at is not None:
@@ -169,6 +180,11 @@ class TrainState:
     @property
     def trainable(self) -> frozenset[str] | None:
         return self._trainable
+
+    @property
+    def rng(self) -> torch.Tensor | None:
+        self._alive()
+        return self._rng
 
     def __repr__(self) -> str:
         if self._donated_at is not None:
@@ -202,6 +218,20 @@ def _check_differentiable(
             )
 
 
+def _as_key(rng: int | torch.Tensor | None) -> torch.Tensor | None:
+    """``TrainState.create(rng=...)``: a key from a seed; a key as it is (checked)."""
+    if rng is None or isinstance(rng, torch.Tensor):
+        if rng is not None:
+            random.key_bits(rng, "TrainState.create(rng=...)")
+        return rng
+    if isinstance(rng, bool) or not isinstance(rng, int):
+        raise TypeError(
+            f"TrainState.create: rng must be an int seed, a key from ff.rng_key(seed), or "
+            f"None, got {type(rng).__name__} {_short_repr(rng)}."
+        )
+    return random.rng_key(rng)
+
+
 def _short_repr(x: Any, limit: int = 80) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
@@ -216,9 +246,10 @@ def restrict_specs(specs: Any, tree: Any) -> Any:
 
 def _flatten_state(
     s: TrainState,
-) -> tuple[tuple[Any, Any, int], frozenset[str] | None, tuple[str, str, str]]:
+) -> tuple[tuple[Any, ...], frozenset[str] | None, tuple[str, ...]]:
     s._alive()
-    return (s._params, s._opt_state, s._step), s._trainable, ("params", "opt_state", "step")
+    children = (s._params, s._opt_state, s._step, s._rng)
+    return children, s._trainable, ("params", "opt_state", "step", "rng")
 
 
 optree.register_pytree_node(
@@ -524,7 +555,9 @@ def train_step(
     def mean(total: list[Any], n: int) -> list[Any]:
         return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
 
-    def grads_and_loss(split: _Split, local: Batch) -> tuple[list[Any], torch.Tensor]:
+    def grads_and_loss(
+        split: _Split, local: Batch, key: torch.Tensor | None
+    ) -> tuple[list[Any], torch.Tensor]:
         """Gradients of the trainable leaves only: frozen ones are never differentiated."""
         micro = split_batch(local, accumulate) if accumulate > 1 else [local]
         base = split.leaves
@@ -542,8 +575,9 @@ def train_step(
 
         total, loss_sum = None, 0.0
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            for mb in micro:
-                g, loss = torch.func.grad_and_value(checked)(train, mb)
+            for i, mb in enumerate(micro):
+                with _micro_batch_stream(key, i, model):
+                    g, loss = torch.func.grad_and_value(checked)(train, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:
@@ -554,6 +588,7 @@ def train_step(
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         params, opt_state, count = state.params, state.opt_state, state.step
+        base_key = state.rng  # never donated: the new state shares it
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
         _check_not_empty(data)
@@ -567,7 +602,8 @@ def train_step(
             "train_step",
             state.trainable is None,
         )
-        grad_leaves, loss = grads_and_loss(split, local)
+        key = None if base_key is None else random.fold_in(base_key, int(count))
+        grad_leaves, loss = grads_and_loss(split, local, key)
         grads = split.train_def.unflatten(grad_leaves)
         train = split.train
         at_rest = None
@@ -607,13 +643,26 @@ def train_step(
             new_train = reshard(new_train, at_rest)
         # Frozen leaves are the input's own objects: never copied, never written.
         new_params = split.full(split.train_def.flatten_up_to(new_train))
-        new_state = TrainState(new_params, new_opt_state, count + 1, state.trainable)
+        new_state = TrainState(new_params, new_opt_state, count + 1, state.trainable, base_key)
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
         if report is not None:
             metrics.update(report(new_opt_state))
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step
+
+
+def _micro_batch_stream(
+    key: torch.Tensor | None, index: int, model: FSDP | None
+) -> contextlib.AbstractContextManager[None]:
+    """Micro-batch ``index``'s random numbers: ``fold_in(fold_in(step_key, index), d)`` on
+    data-parallel rank ``d`` (tp ranks share it); the caller's generator comes back after."""
+    if key is None:
+        return contextlib.nullcontext()
+    key = random.fold_in(key, index)
+    if model is None:  # no mesh known: every process draws what data rank 0 would
+        return random.seeded(random.fold_in(key, 0))
+    return random.seeded(key, mesh=model.mesh, axes=model.data_axes)
 
 
 def _one_value(value: Any) -> Any:

@@ -36,6 +36,7 @@ from .functions import (
     PostBackward,
     PreBackward,
     ReduceFence,
+    Replay,
     UnitGather,
     attach,
     cast_floating,
@@ -329,7 +330,8 @@ def _checkpointed(
         finally:
             _restore(where, up, placeholders)
 
-    return Checkpoint.apply(fn, *leaves)
+    replay = Replay(fn)
+    return replay.output(Checkpoint.apply(replay, *leaves))
 
 
 def _set_buffers(
