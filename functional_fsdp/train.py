@@ -255,7 +255,7 @@ def _flatten_state(
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
-    lambda trainable, children: TrainState(*children, trainable=trainable),
+    lambda trainable, children: TrainState(*children[:3], trainable=trainable, rng=children[3]),
     namespace=NAMESPACE,
 )
 

@@ -197,15 +197,17 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
 class Replay:
     """What a checkpointed call needs to run its forward again, exactly, in backward.
 
-    ``fn(*flat)`` is the call; :class:`Checkpoint`'s forward fills in the rest: the
+    ``fn(*flat)`` is the call (``call()``, if given, runs it in forward on the caller's
+    own objects, so that containers among the inputs are the caller's, as without
+    checkpointing); :class:`Checkpoint`'s forward fills in the rest: the
     generator state the forward drew from (so dropout draws the same masks again), a
     snapshot of the non-tensor inputs as they were before the forward (so state that the
     forward mutates, e.g. a Hugging Face KV cache it appends to, is seen unmutated again),
     and how to rebuild the output (tensors from autograd, everything else as returned).
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], call: Callable[[], Any] | None = None) -> None:
+        self.fn, self.call = fn, call  # call: the forward on the caller's own input objects
         self.rng: Any = None
         self.others: list[Any] = []  # the non-tensor inputs, snapshotted before the forward
         self.out_def: torch_pytree.TreeSpec | None = None
@@ -216,7 +218,7 @@ class Replay:
         self.rng = rng.get_state()
         self.others = [snapshot(x) for x in flat if not isinstance(x, torch.Tensor)]
         with torch.no_grad():
-            out = self.fn(*flat)
+            out = self.fn(*flat) if self.call is None else self.call()
         leaves, self.out_def = flatten(out)
         self.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self.out_others = [x for x in leaves if not isinstance(x, torch.Tensor)]
