@@ -1,8 +1,10 @@
 """What activation checkpointing saves and costs: one GPT train step with and without it.
 
-Both variants take ``ff.train_step`` steps in the same processes, in rotation (so machine
-noise hits them alike), on the same model, batch and mesh. Prints a Markdown table: the
-median step time, and the peak memory a step adds on top of the resting process.
+The variants take ``ff.train_step`` steps in the same processes, in rotation (so machine
+noise hits them alike), on the same model, batch and mesh: without checkpointing, with
+``Policy(checkpoint=True)``, and (where the library has it) without checkpointing but with
+``randomness="global_batch"``. Prints a Markdown table: the median step time, and the peak
+memory a step adds on top of the resting process.
 
     torchrun --nproc-per-node 2 benchmarks/checkpoint_cost.py [--steps 20] [--dropout 0.1]
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -50,10 +53,10 @@ def main() -> None:
     opt = ff.sgd(1e-3)
     base = ff.fsdp(model, mesh)
 
-    def variant(checkpoint: bool) -> Callable[[torch.Tensor], None]:
+    def variant(checkpoint: bool, **options: Any) -> Callable[[torch.Tensor], None]:
         sm = dataclasses.replace(base, policy=ff.Policy(checkpoint=checkpoint))
         loss_fn = lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:])  # noqa: E731
-        step = ff.train_step(loss_fn, opt, model=sm, batch="local")
+        step = ff.train_step(loss_fn, opt, model=sm, batch="local", **options)
         box = {"state": ff.TrainState.create(sm.shard(), opt)}
 
         def run(b: torch.Tensor) -> None:
@@ -62,11 +65,14 @@ def main() -> None:
         return run
 
     systems = {"no checkpointing": variant(False), "Policy(checkpoint=True)": variant(True)}
+    if "randomness" in inspect.signature(ff.train_step).parameters:
+        systems["randomness='global_batch'"] = variant(False, randomness="global_batch")
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {name: [] for name in systems}
     for i in range(args.steps + 2):
         b = torch.randint(0, 512, (args.batch, args.seq + 1), generator=g)
-        names = list(systems)[i % 2 :] + list(systems)[: i % 2]
+        k = i % len(systems)
+        names = list(systems)[k:] + list(systems)[:k]
         for name in names:
             dist.barrier()
             t0 = time.perf_counter()

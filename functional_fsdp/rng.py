@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .dist.mesh import _simulation_paused, axis_sizes, coordinate_of, local_coordinate
 from .dist.simulate import is_simulated
@@ -113,7 +114,11 @@ def fold_in(key: torch.Tensor, data: int) -> torch.Tensor:
         (True, False)
     """
     data = _check_int(data, "fold_in", "data")
-    return _to_key(_mix(key_bits(key, "fold_in") ^ _mix(data & _MASK)))
+    return _to_key(_fold(key_bits(key, "fold_in"), data))
+
+
+def _fold(bits: int, data: int) -> int:
+    return _mix(bits ^ _mix(data & _MASK))
 
 
 def _seed_of(bits: int) -> int:
@@ -145,15 +150,23 @@ def _set_cuda_states(states: dict[int, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
+@contextlib.contextmanager
+def _plain_ops() -> Iterator[None]:
+    """Plain tensor ops, also inside ``torch.func`` transforms and simulations (where a copy
+    of a generator state would otherwise run once per simulated rank)."""
+    with torch._C._DisableFuncTorch(), torch._C._DisableTorchDispatch():
+        yield
+
+
 def get_state() -> Any:
     """The generator state random ops read now: CPU (and the current CUDA device's), or on a
     simulated mesh every simulated rank's. Opaque; give it to :func:`set_state`."""
-    with torch._C._DisableFuncTorch():  # plain tensors, also inside torch.func transforms
-        return _get_state()
+    mode = _local_mode()  # (before the simulation is paused)
+    with _plain_ops():
+        return _get_state(mode)
 
 
-def _get_state() -> Any:
-    mode = _local_mode()
+def _get_state(mode: Any) -> Any:
     cpu = torch.get_rng_state()
     if mode is None:
         return cpu, _cuda_states(), None
@@ -166,15 +179,15 @@ def _get_state() -> Any:
 
 def set_state(state: Any) -> None:
     """Restore a state from :func:`get_state`."""
-    with torch._C._DisableFuncTorch():
-        _set_state(state)
+    mode = _local_mode()
+    with _plain_ops():
+        _set_state(state, mode)
 
 
-def _set_state(state: Any) -> None:
+def _set_state(state: Any, mode: Any) -> None:
     cpu, cuda, ranks = state
     torch.set_rng_state(cpu)
     _set_cuda_states(cuda)
-    mode = _local_mode()
     if ranks is not None and mode is not None:
         for r, (c, cuda_r) in ranks.items():
             mode._per_rank_rng_states[r] = (c.clone(), {d: s.clone() for d, s in cuda_r.items()})
@@ -192,7 +205,7 @@ def preserved() -> Iterator[None]:
 
 
 def _seed_generators(seed: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    with torch._C._DisableFuncTorch():
+    with _plain_ops():
         return _seed_generators_plain(seed)
 
 
@@ -244,18 +257,98 @@ def seeded(
         if mesh is None:
             states = _seed_generators(_seed_of(bits))
             if mode is not None:
-                for r in mode._per_rank_rng_states:
-                    mode._per_rank_rng_states[r] = (states[0].clone(), dict(states[1]))
+                with _plain_ops():
+                    for r in mode._per_rank_rng_states:
+                        mode._per_rank_rng_states[r] = (states[0].clone(), dict(states[1]))
         elif mode is None:
             index = data_index(local_coordinate(mesh), axis_sizes(mesh), axes)
-            _seed_generators(_seed_of(key_bits(fold_in(key, index))))
+            _seed_generators(_seed_of(_fold(bits, index)))
         else:
             sizes = axis_sizes(mesh)
             for r in sorted(mode._per_rank_rng_states):
                 index = data_index(coordinate_of(mesh, r), sizes, axes)
-                mode._per_rank_rng_states[r] = _seed_generators(
-                    _seed_of(key_bits(fold_in(key, index)))
-                )
+                mode._per_rank_rng_states[r] = _seed_generators(_seed_of(_fold(bits, index)))
         yield
     finally:
         set_state(saved)
+
+
+# --------------------------------------------------------------------------- global-batch draws
+
+_SHAPE_ONLY = {  # random ops whose draws depend on their first argument's shape alone
+    torch.ops.aten.bernoulli.p,
+    torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.uniform_.default,
+    torch.ops.aten.normal_.default,
+    torch.ops.aten.exponential_.default,
+    torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"),  # a keyword in Python
+    torch.ops.aten.random_.to,
+    torch.ops.aten.rand_like.default,
+    torch.ops.aten.randn_like.default,
+}
+
+
+def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op draws: attention kernels do only with ``dropout_p > 0``."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            value = args[i] if i < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return bool(value)
+    return True
+
+
+class GlobalBatchDraws(TorchDispatchMode):
+    """Draw random tensors for the global batch and keep this rank's rows of them.
+
+    Each random op whose first argument has the batch along dim 0 (dropout's masks, the
+    ``*_like`` draws, in-place ``uniform_`` ...) runs on a tensor ``parts`` times as long
+    along dim 0, and returns (or writes) rows ``[index * n, (index + 1) * n)``: with the
+    same generator state on every rank, the data-parallel ranks together draw exactly what
+    one process draws for the whole batch. Other random ops raise.
+    """
+
+    def __init__(self, parts: int, index: int) -> None:
+        super().__init__()
+        self.parts, self.index = parts, index
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or not _draws(func, args, kwargs):
+            return func(*args, **kwargs)
+        if func not in _SHAPE_ONLY:
+            raise NotImplementedError(
+                f"train_step(randomness='global_batch'): the random op {func} is not supported "
+                f"(only ops whose draws depend on a tensor's shape alone, as dropout's "
+                f"bernoulli). Use the default randomness='per_rank'."
+            )
+        x = args[0]
+        if x.ndim == 0:
+            raise NotImplementedError(
+                "train_step(randomness='global_batch'): a random op on a 0-dim tensor has no "
+                "batch dim to split. Use the default randomness='per_rank'."
+            )
+        n = x.shape[0]
+        whole = torch.empty((n * self.parts, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out = func(whole, *args[1:], **kwargs)
+        mine = out.narrow(0, self.index * n, n)
+        if func._schema.name.endswith("_"):  # in place: write this rank's rows into x
+            return x.copy_(mine)
+        return mine.contiguous()
+
+
+@contextlib.contextmanager
+def global_batch_draws(mesh: DeviceMesh, axes: tuple[str, ...]) -> Iterator[None]:
+    """:class:`GlobalBatchDraws` for this rank's data-parallel index over ``axes``."""
+    if is_simulated():
+        raise ValueError(
+            "train_step(randomness='global_batch') runs on real processes only, not on a "
+            "simulated mesh (its ranks share one dispatch). Use randomness='per_rank'."
+        )
+    sizes = axis_sizes(mesh)
+    parts = 1
+    for a in axes:
+        parts *= sizes[a]
+    index = data_index(local_coordinate(mesh), sizes, axes)
+    with GlobalBatchDraws(parts, index):
+        yield

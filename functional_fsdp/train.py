@@ -458,6 +458,7 @@ def train_step(
     opt_specs: Any = None,
     learning_rate: float | Schedule | None = None,
     donate: bool = False,
+    randomness: Literal["per_rank", "global_batch"] = "per_rank",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -500,6 +501,13 @@ def train_step(
         donate: update the state's tensors in place; the input state is dead afterwards and
             using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
             parameters are never written: the new state shares them.
+        randomness: how the state's key (``TrainState.rng``) becomes random numbers (see
+            ``docs/randomness.md``). ``"per_rank"``: each data-parallel rank draws its own
+            stream (tensor-parallel ranks share it). ``"global_batch"``: every random op
+            draws for the whole global batch (dim 0) and each rank keeps its rows, so a
+            run draws the masks one process draws on the global batch, whatever the number
+            of data ranks, at the price of drawing the global batch's random numbers on
+            every rank. Real processes, data-parallel meshes and ``accumulate=1`` only.
 
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
@@ -540,6 +548,12 @@ def train_step(
         raise ValueError(
             f"train_step: accumulate_mode must be 'reduce_each' or 'local', got {accumulate_mode!r}"
         )
+    if randomness not in ("per_rank", "global_batch"):
+        raise ValueError(
+            f"train_step: randomness must be 'per_rank' or 'global_batch', got {randomness!r}."
+        )
+    if randomness == "global_batch":
+        _check_global_batch_randomness(model, accumulate)
     if (batch == "global" or accumulate_mode == "local") and model is None:
         raise ValueError(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
@@ -576,7 +590,7 @@ def train_step(
         total, loss_sum = None, 0.0
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
             for i, mb in enumerate(micro):
-                with _micro_batch_stream(key, i, model):
+                with _micro_batch_stream(key, i, model, randomness):
                     g, loss = torch.func.grad_and_value(checked)(train, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
@@ -652,14 +666,37 @@ def train_step(
     return step
 
 
+def _check_global_batch_randomness(model: FSDP | None, accumulate: int) -> None:
+    if model is None or accumulate != 1:
+        raise ValueError(
+            f"train_step(randomness='global_batch') needs model=ff.fsdp(...) (got "
+            f"{'none' if model is None else 'one'}) and accumulate=1 (got {accumulate}): it "
+            f"draws for the global batch of one step. Use randomness='per_rank' otherwise."
+        )
+    sizes = axis_sizes(model.mesh)
+    model_axes = {a: n for a, n in sizes.items() if a not in model.data_axes and n > 1}
+    if model_axes:
+        raise ValueError(
+            f"train_step(randomness='global_batch') supports data-parallel meshes only; the "
+            f"mesh {format_mesh(sizes)} also splits the model over {sorted(model_axes)}, whose "
+            f"sharded activations would draw other numbers than one process. Use "
+            f"randomness='per_rank'."
+        )
+
+
 def _micro_batch_stream(
-    key: torch.Tensor | None, index: int, model: FSDP | None
+    key: torch.Tensor | None, index: int, model: FSDP | None, randomness: str = "per_rank"
 ) -> contextlib.AbstractContextManager[None]:
     """Micro-batch ``index``'s random numbers: ``fold_in(fold_in(step_key, index), d)`` on
     data-parallel rank ``d`` (tp ranks share it); the caller's generator comes back after."""
     if key is None:
         return contextlib.nullcontext()
     key = random.fold_in(key, index)
+    if randomness == "global_batch" and model is not None:  # one stream, each rank its rows
+        stack = contextlib.ExitStack()
+        stack.enter_context(random.seeded(key))
+        stack.enter_context(random.global_batch_draws(model.mesh, model.data_axes))
+        return stack
     if model is None:  # no mesh known: every process draws what data rank 0 would
         return random.seeded(random.fold_in(key, 0))
     return random.seeded(key, mesh=model.mesh, axes=model.data_axes)

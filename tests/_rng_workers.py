@@ -257,3 +257,34 @@ def tp_masks(sequence_parallel: bool) -> dict[str, Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [m.tolist() for m in masks])
     return {"shapes": [tuple(m.shape) for m in masks], "all": gathered}
+
+
+def global_batch_masks() -> dict[str, Any]:
+    """train_step(randomness="global_batch") on the dp mesh vs one process on the global
+    batch (the plain module, the same key): each rank's masks are its rows of the latter's."""
+    torch.manual_seed(0)
+    model = project_gpt(0.5)
+    mesh = ff.make_mesh({"dp": dist.get_world_size()})
+    sm = ff.fsdp(model, mesh)
+    opt = ff.sgd(0.0)
+
+    def loss_fn(p: Any, b: torch.Tensor) -> torch.Tensor:
+        return lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:])
+
+    step = ff.train_step(loss_fn, opt, model=sm, randomness="global_batch")
+    state = ff.TrainState.create(sm.shard(), opt, rng=7)
+    batch = torch.randint(0, VOCAB, (4 * dist.get_world_size(), 9), generator=torch.Generator())
+    probe = MaskProbe(model.blocks[0].drop)
+    _, metrics = step(state, batch)
+    mine = probe.close()
+    probe = MaskProbe(model.blocks[0].drop)
+    with ff.seeded(ff.fold_in(ff.fold_in(ff.rng_key(7), 0), 0)):  # step 0, micro-batch 0
+        ref_loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+    whole = probe.close()
+    rows = slice(4 * dist.get_rank(), 4 * (dist.get_rank() + 1))
+    return {
+        "masks_equal": len(mine) == len(whole) == 2
+        and all(torch.equal(a, b[rows]) for a, b in zip(mine, whole)),
+        "loss_diff": abs(float(metrics["loss"]) - float(ref_loss.detach())),
+        "dropped": [float(m.float().mean()) for m in mine],
+    }

@@ -77,6 +77,15 @@ def test_tensor_parallel_ranks_draw_the_same_masks(pools, sequence_parallel):
     assert any(any(any(row) for row in m) for m in mine)  # something was dropped
 
 
+def test_global_batch_randomness_draws_what_one_process_draws(pools):
+    """randomness="global_batch" on 2 ranks: each rank's masks are its rows of the masks one
+    process draws on the global batch, and the loss is that process's."""
+    for r in pools.run(2, W.global_batch_masks):
+        assert r["masks_equal"], r
+        assert r["loss_diff"] < 1e-6, r
+        assert all(0.3 < d < 0.7 for d in r["dropped"]), r
+
+
 # --------------------------------------------------------------------------- 1 rank
 
 
@@ -217,3 +226,14 @@ def test_recompute_replays_mutated_keyword_inputs_and_dataclass_outputs():
             grads[ck], caches[ck] = ff.gather(g), {k: len(v) for k, v in cache.entries.items()}
     assert caches[False] == caches[True] == {0: 1, 1: 1}  # the recompute left it alone
     assert all(torch.equal(grads[False][k], grads[True][k]) for k in grads[False])
+
+
+def test_global_batch_randomness_errors():
+    with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
+        sm = ff.fsdp(nn.Linear(4, 4), mesh)
+        with pytest.raises(ValueError, match=r"supports data-parallel meshes only; the mesh"):
+            ff.train_step(lambda p, b: b, ff.sgd(0.1), model=sm, randomness="global_batch")
+    with pytest.raises(ValueError, match=r"needs model=ff.fsdp\(...\) \(got none\)"):
+        ff.train_step(lambda p, b: b, ff.sgd(0.1), batch="local", randomness="global_batch")
+    with pytest.raises(ValueError, match=r"randomness must be 'per_rank' or 'global_batch'"):
+        ff.train_step(lambda p, b: b, ff.sgd(0.1), batch="local", randomness="global")
