@@ -2,9 +2,10 @@
 
 The variants take ``ff.train_step`` steps in the same processes, in rotation (so machine
 noise hits them alike), on the same model, batch and mesh: without checkpointing, with
-``Policy(checkpoint=True)``, and (where the library has it) without checkpointing but with
-``randomness="global_batch"``. Prints a Markdown table: the median step time, and the peak
-memory a step adds on top of the resting process.
+``Policy(checkpoint=True)``, and with ``--global-batch`` also without checkpointing but with
+``randomness="global_batch"``. Prints a Markdown table: the median step time, the peak
+memory a step adds on top of the resting process, and the storage autograd holds for
+backward at the end of the forward (the activations checkpointing saves).
 
     torchrun --nproc-per-node 2 benchmarks/checkpoint_cost.py [--steps 20] [--dropout 0.1]
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -30,6 +30,23 @@ import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
 
+def _saved_mib(loss: Callable[[Any], torch.Tensor], params: Any) -> float:
+    """The storage autograd holds for backward at the end of a forward (plain autograd, where
+    saved-tensor hooks can see it): activations, not the parameters gathered and freed."""
+    storages: dict[int, Any] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage()
+        return t
+
+    leaves = {k: v.replace(v.local.detach().requires_grad_()) for k, v in params.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = loss(leaves)
+    total = sum(s.nbytes() for s in storages.values()) / 2**20  # freed storages count 0
+    del value
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -38,6 +55,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument(
+        "--global-batch", action="store_true", help="also time randomness='global_batch'"
+    )
     args = parser.parse_args()
 
     ff.init_distributed()
@@ -62,10 +82,14 @@ def main() -> None:
         def run(b: torch.Tensor) -> None:
             box["state"], _ = step(box["state"], b)
 
+        def saved(b: torch.Tensor) -> float:
+            return _saved_mib(lambda p: loss_fn(p, b), box["state"].params)
+
+        run.saved = saved  # type: ignore[attr-defined]
         return run
 
     systems = {"no checkpointing": variant(False), "Policy(checkpoint=True)": variant(True)}
-    if "randomness" in inspect.signature(ff.train_step).parameters:
+    if args.global_batch:
         systems["randomness='global_batch'"] = variant(False, randomness="global_batch")
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -82,6 +106,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
     b = torch.randint(0, 512, (args.batch, args.seq + 1), generator=g)
     peak = {name: _step_peak_mib(lambda f=fn: f(b)) for name, fn in systems.items()}
+    saved = {name: fn.saved(b) for name, fn in systems.items()}  # type: ignore[attr-defined]
     if rank == 0:
         print(
             f"GPT {args.layers} layers, width {args.width}, dropout {args.dropout}; batch "
@@ -95,6 +120,9 @@ def main() -> None:
             ]
         )
         rows.append(["peak memory added by a step (MiB)", *(f"{peak[n]:.1f}" for n in systems)])
+        rows.append(
+            ["saved for backward after forward (MiB)", *(f"{saved[n]:.1f}" for n in systems)]
+        )
         print(_markdown(rows))
     dist.barrier()
     dist.destroy_process_group()

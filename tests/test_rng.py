@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 def _check_matrix(out: dict, ranks: int) -> None:
-    assert len(out) >= 8
+    assert len(out) >= 4 and len({name.split("-")[0] for name in out}) == 4
     for name, r in out.items():
         where = f"{name} on rank {ranks}"
         assert r["equal"] and r["max_diff"] == 0.0 and r["loss_equal"], (where, r)
@@ -90,8 +90,9 @@ def test_global_batch_randomness_draws_what_one_process_draws(pools):
 
 
 def test_checkpointing_exact_one_rank(pools):
-    (out,) = pools.run(1, W.recompute_matrix, ["float32"])
-    assert len(out) == 8
+    """Dropout on, fp32 (the rest of the matrix runs on 2 ranks, to keep the suite short)."""
+    (out,) = pools.run(1, W.recompute_matrix, ["float32"], (0.1,))
+    assert len(out) == 4
     _check_matrix(out, 0)
 
 
