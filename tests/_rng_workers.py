@@ -90,10 +90,23 @@ def lm_loss_of(model: ff.FSDP, params: Any, ids: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- the check
 
 
+Shard = Callable[[nn.Module, Any, ff.Policy], ff.FSDP]  # (model, mesh, policy) -> FSDP
+
+
+def _fsdp(model: nn.Module, mesh: Any, policy: ff.Policy) -> ff.FSDP:
+    return ff.fsdp(model, mesh, policy=policy)
+
+
 def _grads(
-    model: nn.Module, mesh: Any, policy: ff.Policy, key: torch.Tensor, loss_of: Callable, batch: Any
+    model: nn.Module,
+    mesh: Any,
+    policy: ff.Policy,
+    key: torch.Tensor,
+    loss_of: Callable,
+    batch: Any,
+    shard: Shard = _fsdp,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    sm = ff.fsdp(model, mesh, policy=policy)
+    sm = shard(model, mesh, policy)
     train, frozen = ff.partition(sm.shard(), sm)  # the module's requires_grad=True ones
 
     def loss(t: Any) -> torch.Tensor:
@@ -113,11 +126,14 @@ def recompute_check(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     check_key: bool = True,
+    shard: Shard = _fsdp,
 ) -> dict[str, Any]:
     """Gradients with ``Policy(checkpoint=True)`` against ``checkpoint=False`` (same key).
 
     ``build()`` makes the model (in training mode for dropout); ``loss_of(sharded_model,
-    params, batch)`` its mean loss on this rank's ``batch``. Each rank compares its own
+    params, batch)`` its mean loss on this rank's ``batch``; ``shard(model, mesh, policy)``
+    describes the sharded model (default ``ff.fsdp``; pass one with a TP plan for 2D). Each
+    rank compares its own
     gradient shards. Returns ``equal`` (bitwise, every shard), ``max_diff``, ``worst`` (the
     parameter of the largest difference), ``loss_equal``, and ``key_matters`` (a second key
     changes the gradients: dropout is live, so ``equal`` really tested the replay; ``None``
@@ -133,14 +149,16 @@ def recompute_check(
     mp = ff.MixedPrecision(param_dtype=dtype) if dtype != torch.float32 else ff.MixedPrecision()
     key = ff.rng_key(seed)
     runs = {
-        ck: _grads(model, mesh, ff.Policy(checkpoint=ck, mixed_precision=mp), key, loss_of, batch)
+        ck: _grads(
+            model, mesh, ff.Policy(checkpoint=ck, mixed_precision=mp), key, loss_of, batch, shard
+        )
         for ck in (False, True)
     }
     (plain, loss0), (ckpt, loss1) = runs[False], runs[True]
     other = None
     if check_key:
         policy = ff.Policy(mixed_precision=mp)
-        other, _ = _grads(model, mesh, policy, ff.fold_in(key, 1), loss_of, batch)
+        other, _ = _grads(model, mesh, policy, ff.fold_in(key, 1), loss_of, batch, shard)
     diffs = {k: (plain[k].float() - ckpt[k].float()).abs().max().item() for k in plain}
     worst = max(diffs, key=diffs.get)
     return {
@@ -288,3 +306,16 @@ def global_batch_masks() -> dict[str, Any]:
         "loss_diff": abs(float(metrics["loss"]) - float(ref_loss.detach())),
         "dropped": [float(m.float().mean()) for m in mine],
     }
+
+
+def tp_recompute(sequence_parallel: bool) -> dict[str, Any]:
+    """:func:`recompute_check` on a dp=1, tp=N mesh: the project's GPT, dropout 0.1."""
+    mesh = ff.make_mesh({"dp": 1, "tp": dist.get_world_size()})
+
+    def shard(model: nn.Module, mesh: Any, policy: ff.Policy) -> ff.FSDP:
+        plan = gpt_plan(model.cfg, sequence_parallel=sequence_parallel, loss_parallel=False)
+        tp = tensor_parallel(model, mesh, plan)
+        return ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers, policy=policy)
+
+    return recompute_check(lambda: project_gpt(0.1), mesh, lm_batch(0, rows=2, length=9),
+                           shard=shard)  # fmt: skip

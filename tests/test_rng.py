@@ -75,6 +75,9 @@ def test_tensor_parallel_ranks_draw_the_same_masks(pools, sequence_parallel):
     mine, theirs = out["all"]
     assert mine == theirs
     assert any(any(any(row) for row in m) for m in mine)  # something was dropped
+    # Checkpointing under FSDP+TP: bitwise the same gradients, dropout on.
+    for r in pools.run(2, W.tp_recompute, sequence_parallel):
+        assert r["equal"] and r["loss_equal"] and r["key_matters"], r
 
 
 def test_global_batch_randomness_draws_what_one_process_draws(pools):
