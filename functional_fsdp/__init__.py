@@ -89,6 +89,9 @@ from .planner import plan as plan
 from .plot import plot_comms as plot_comms
 from .plot import plot_losses as plot_losses
 from .plot import plot_memory as plot_memory
+from .rng import fold_in as fold_in
+from .rng import rng_key as rng_key
+from .rng import seeded as seeded
 from .sharded import Sharded as Sharded
 from .sharding import gather as gather
 from .sharding import reshard as reshard
@@ -190,6 +193,7 @@ __all__ = [
     "divide_by_tp",
     "end_simulation",
     "find_units",
+    "fold_in",
     "fsdp",
     "gather",
     "gather_from",
@@ -219,11 +223,13 @@ __all__ = [
     "reduce_from",
     "reduce_scatter",
     "reshard",
+    "rng_key",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
     "scatter_to",
+    "seeded",
     "sgd",
     "shard",
     "simulated_mesh",

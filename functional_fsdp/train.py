@@ -19,6 +19,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from . import rng as random
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .dist import collectives as C
@@ -76,6 +77,9 @@ class TrainState:
         opt_specs: the optimizer layout given to :meth:`create` (``((dotted name, P), ...)``
             per trainable leaf), or ``None``: the parameters' own. ``train_step`` reads it, so
             it is given once. Static, like ``trainable``.
+        rng: the random key (an ``int64[2]`` tensor from :func:`~functional_fsdp.rng_key`) that
+            every step's random numbers (dropout) derive from; saved with the state. ``None``:
+            the step leaves torch's generator alone (see ``docs/randomness.md``).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -85,7 +89,15 @@ class TrainState:
         (0, ['lora'], ['lora'])
     """
 
-    __slots__ = ("_donated_at", "_opt_specs", "_opt_state", "_params", "_step", "_trainable")
+    __slots__ = (
+        "_donated_at",
+        "_opt_specs",
+        "_opt_state",
+        "_params",
+        "_rng",
+        "_step",
+        "_trainable",
+    )
 
     def __init__(
         self,
@@ -94,8 +106,10 @@ class TrainState:
         step: int = 0,
         trainable: frozenset[str] | None = None,
         opt_specs: tuple[tuple[str, P], ...] | None = None,
+        rng: torch.Tensor | None = None,
     ) -> None:
         self._params, self._opt_state, self._step = params, opt_state, step
+        self._rng = rng
         self._trainable = None if trainable is None else frozenset(trainable)
         self._opt_specs = opt_specs
         self._donated_at: int | None = None
@@ -107,6 +121,7 @@ class TrainState:
         *,
         trainable: Any = None,
         opt_specs: Any = None,
+        rng: int | torch.Tensor | None = 0,
     ) -> TrainState:
         """A fresh state at step 0, with optimizer state for the trainable parameters only.
 
@@ -124,6 +139,10 @@ class TrainState:
                 replicated ``P()`` params: gradients are reduce-scattered to it, the optimizer
                 steps its shard, and the updated parameters are all-gathered (2Ψ per step,
                 as DDP). Given here only: :func:`train_step` reads it from the state.
+            rng: the seed (an int) or key (:func:`~functional_fsdp.rng_key`) of the run's
+                randomness: every step's dropout masks derive from it, the step count and
+                the data-parallel rank. ``None``: no key; steps draw from torch's global
+                generator as the caller left it.
 
         Raises:
             ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
@@ -162,7 +181,7 @@ class TrainState:
         if dtype is not None:  # master_weights: the trainable params in the compute dtype
             split = _Split(params, names)
             params = split.full([_cast(x, dtype) for x in split.train_leaves])
-        return TrainState(params, opt_state, 0, names, layout)
+        return TrainState(params, opt_state, 0, names, opt_specs=layout, rng=_as_key(rng))
 
     @property
     def opt_specs(self) -> tuple[tuple[str, P], ...] | None:
@@ -196,6 +215,11 @@ class TrainState:
     @property
     def trainable(self) -> frozenset[str] | None:
         return self._trainable
+
+    @property
+    def rng(self) -> torch.Tensor | None:
+        self._alive()
+        return self._rng
 
     def __repr__(self) -> str:
         if self._donated_at is not None:
@@ -264,6 +288,20 @@ def _check_no_frozen_shards(params: Any) -> None:
         )
 
 
+def _as_key(rng: int | torch.Tensor | None) -> torch.Tensor | None:
+    """``TrainState.create(rng=...)``: a key from a seed; a key as it is (checked)."""
+    if rng is None or isinstance(rng, torch.Tensor):
+        if rng is not None:
+            random.key_bits(rng, "TrainState.create(rng=...)")
+        return rng
+    if isinstance(rng, bool) or not isinstance(rng, int):
+        raise TypeError(
+            f"TrainState.create: rng must be an int seed, a key from ff.rng_key(seed), or "
+            f"None, got {type(rng).__name__} {_short_repr(rng)}."
+        )
+    return random.rng_key(rng)
+
+
 def _short_repr(x: Any, limit: int = 80) -> str:
     text = repr(x)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
@@ -292,16 +330,21 @@ def restrict_specs(specs: Any, tree: Any) -> Any:
     return specs
 
 
-def _flatten_state(s: TrainState) -> tuple[tuple[Any, Any, int], Any, tuple[str, str, str]]:
+def _flatten_state(
+    s: TrainState,
+) -> tuple[tuple[Any, ...], tuple[Any, Any], tuple[str, ...]]:
     s._alive()
+    children = (s._params, s._opt_state, s._step, s._rng)
     static = (s._trainable, s._opt_specs)
-    return (s._params, s._opt_state, s._step), static, ("params", "opt_state", "step")
+    return children, static, ("params", "opt_state", "step", "rng")
 
 
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
-    lambda static, children: TrainState(*children, trainable=static[0], opt_specs=static[1]),
+    lambda static, children: TrainState(
+        *children[:3], trainable=static[0], opt_specs=static[1], rng=children[3]
+    ),
     namespace=NAMESPACE,
 )
 
@@ -576,6 +619,7 @@ def train_step(
     opt_specs: Any = None,
     learning_rate: float | Schedule | None = None,
     donate: bool = False,
+    randomness: Literal["per_rank", "global_batch"] = "per_rank",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -623,6 +667,13 @@ def train_step(
         donate: update the state's tensors in place; the input state is dead afterwards and
             using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
             parameters are never written: the new state shares them.
+        randomness: how the state's key (``TrainState.rng``) becomes random numbers (see
+            ``docs/randomness.md``). ``"per_rank"``: each data-parallel rank draws its own
+            stream (tensor-parallel ranks share it). ``"global_batch"``: every random op
+            draws for the whole global batch (dim 0) and each rank keeps its rows, so a
+            run draws the masks one process draws on the global batch, whatever the number
+            of data ranks, at the price of drawing the global batch's random numbers on
+            every rank. Real processes, data-parallel meshes and ``accumulate=1`` only.
 
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
@@ -675,6 +726,12 @@ def train_step(
         raise ValueError(
             f"train_step: accumulate_mode must be 'reduce_each' or 'local', got {accumulate_mode!r}"
         )
+    if randomness not in ("per_rank", "global_batch"):
+        raise ValueError(
+            f"train_step: randomness must be 'per_rank' or 'global_batch', got {randomness!r}."
+        )
+    if randomness == "global_batch":
+        _check_global_batch_randomness(model, accumulate)
     if (batch == "global" or accumulate_mode == "local") and model is None:
         raise ValueError(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
@@ -690,7 +747,9 @@ def train_step(
     def mean(total: list[Any], n: int) -> list[Any]:
         return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
 
-    def grads_and_loss(split: _Split, local: Batch, whose: str) -> tuple[list[Any], torch.Tensor]:
+    def grads_and_loss(
+        split: _Split, local: Batch, whose: str, key: torch.Tensor | None
+    ) -> tuple[list[Any], torch.Tensor]:
         """Gradients of the trainable leaves only: frozen ones are never differentiated."""
         micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
         base = split.leaves
@@ -708,8 +767,9 @@ def train_step(
 
         total, loss_sum = None, 0.0
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            for mb in micro:
-                g, loss = torch.func.grad_and_value(checked)(train, mb)
+            for i, mb in enumerate(micro):
+                with _micro_batch_stream(key, i, model, randomness):
+                    g, loss = torch.func.grad_and_value(checked)(train, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:
@@ -719,7 +779,11 @@ def train_step(
         return total, loss_sum / len(micro)
 
     def zero_grads_and_loss(
-        split: _Split, local: Batch, layout: tuple[tuple[str, P], ...], whose: str
+        split: _Split,
+        local: Batch,
+        layout: tuple[tuple[str, P], ...],
+        whose: str,
+        key: torch.Tensor | None,
     ) -> tuple[list[Sharded], list[Sharded], torch.Tensor]:
         """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
         each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
@@ -739,8 +803,9 @@ def train_step(
             scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
         total, loss_sum = None, 0.0
         with scope:
-            for mb in micro:
-                g, loss = torch.func.grad_and_value(checked)(wrt, mb)
+            for i, mb in enumerate(micro):
+                with _micro_batch_stream(key, i, model, randomness):
+                    g, loss = torch.func.grad_and_value(checked)(wrt, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:
@@ -760,6 +825,7 @@ def train_step(
         params, opt_state, count = state.params, state.opt_state, state.step
         if model is not None:
             check_alive(model.mesh, "train_step")
+        base_key = state.rng  # never donated: the new state shares it
         if model is not None and state.trainable is None:
             _check_all_trainable(model, params)
         _check_not_empty(data)
@@ -777,13 +843,14 @@ def train_step(
         )
         layout = _opt_layout(state, split, opt_specs)
         zero = layout is not None and _is_zero(model, split, layout)
+        key = None if base_key is None else random.fold_in(base_key, int(count))
         at_rest = None
         if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
-            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose)
+            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose, key)
             train = split.train_def.unflatten(shard_leaves)
             grads = split.train_def.unflatten(grad_leaves)
         else:
-            grad_leaves, loss = grads_and_loss(split, local, whose)
+            grad_leaves, loss = grads_and_loss(split, local, whose, key)
             grads = split.train_def.unflatten(grad_leaves)
             train = split.train
             if layout is not None:  # another layout: slice gradients and params to it
@@ -835,7 +902,12 @@ def train_step(
         # Frozen leaves are the input's own objects: never copied, never written.
         new_params = split.full(split.train_def.flatten_up_to(new_train))
         new_state = TrainState(
-            new_params, new_opt_state, count + 1, state.trainable, state.opt_specs
+            new_params,
+            new_opt_state,
+            count + 1,
+            state.trainable,
+            opt_specs=state.opt_specs,
+            rng=base_key,
         )
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
         if report is not None:
@@ -892,6 +964,42 @@ def _from_masters(train: Any, master: Any, in_place: bool) -> Any:
             torch._foreach_copy_(p, m)
         return train
     return optree.tree_unflatten(treedef, [x.to(y.dtype) for x, y in zip(m, p)])
+
+
+def _check_global_batch_randomness(model: FSDP | None, accumulate: int) -> None:
+    if model is None or accumulate != 1:
+        raise ValueError(
+            f"train_step(randomness='global_batch') needs model=ff.fsdp(...) (got "
+            f"{'none' if model is None else 'one'}) and accumulate=1 (got {accumulate}): it "
+            f"draws for the global batch of one step. Use randomness='per_rank' otherwise."
+        )
+    sizes = axis_sizes(model.mesh)
+    model_axes = {a: n for a, n in sizes.items() if a not in model.data_axes and n > 1}
+    if model_axes:
+        raise ValueError(
+            f"train_step(randomness='global_batch') supports data-parallel meshes only; the "
+            f"mesh {format_mesh(sizes)} also splits the model over {sorted(model_axes)}, whose "
+            f"sharded activations would draw other numbers than one process. Use "
+            f"randomness='per_rank'."
+        )
+
+
+def _micro_batch_stream(
+    key: torch.Tensor | None, index: int, model: FSDP | None, randomness: str = "per_rank"
+) -> contextlib.AbstractContextManager[None]:
+    """Micro-batch ``index``'s random numbers: ``fold_in(fold_in(step_key, index), d)`` on
+    data-parallel rank ``d`` (tp ranks share it); the caller's generator comes back after."""
+    if key is None:
+        return contextlib.nullcontext()
+    key = random.fold_in(key, index)
+    if randomness == "global_batch" and model is not None:  # one stream, each rank its rows
+        stack = contextlib.ExitStack()
+        stack.enter_context(random.seeded(key))
+        stack.enter_context(random.global_batch_draws(model.mesh, model.data_axes))
+        return stack
+    if model is None:  # no mesh known: every process draws what data rank 0 would
+        return random.seeded(random.fold_in(key, 0))
+    return random.seeded(key, mesh=model.mesh, axes=model.data_axes)
 
 
 def _one_value(value: Any) -> Any:

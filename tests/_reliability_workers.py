@@ -343,19 +343,20 @@ def empty_manager(directory: str) -> str:
 
 
 def hf_resume(directory: str, async_save: bool) -> dict:
-    """A transformers Llama (from a config) trained 4 steps; restore step 2 into a fresh
-    model's state and take steps 3-4 again: the losses are bitwise equal."""
+    """A transformers Llama (from a config, attention dropout 0.1) trained 4 steps; restore
+    step 2 into a fresh model's state (another seed, another random key) and take steps 3-4
+    again: the losses are bitwise equal (the key came back with the state)."""
     from transformers import LlamaForCausalLM
 
     def build(seed: int):
         torch.manual_seed(seed)
-        cfg = tiny_llama_config()
+        cfg = tiny_llama_config(attention_dropout=0.1)
         model = LlamaForCausalLM(cfg)
         model.config.use_cache = False
         f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
         opt = ff.adamw(1e-2, eps=1e-6)
         step = ff.train_step(lambda p, b: f.apply(p, input_ids=b, labels=b).loss, opt, model=f)
-        return step, ff.TrainState.create(f.shard(), opt)
+        return step, ff.TrainState.create(f.shard(), opt, rng=seed)
 
     step, state = build(0)
     gen = torch.Generator().manual_seed(3)

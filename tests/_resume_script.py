@@ -1,7 +1,8 @@
 """A tiny run for the crash-and-restart test, under ``torchrun --max-restarts``.
 
-Trains a small GPT on 2 processes, checkpoints every 3 steps with a CheckpointManager
-(params, optimizer state, step and the data generator's state), and resumes from the latest
+Trains a small GPT (dropout 0.1) on 2 processes, checkpoints every 3 steps with a
+CheckpointManager (params, optimizer state, step, the random key and the data generator's
+state), and resumes from the latest
 complete checkpoint when there is one. On the first attempt only, rank 1 SIGKILLs itself
 before step ``--kill-at``. Rank 0 appends one JSON line per step: attempt, step, loss (as
 ``float.hex``, so comparisons are bitwise) and the step the attempt resumed from.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
-CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=2, block_size=16)
+CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=2, block_size=16, dropout=0.1)
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
     opt = ff.adamw(ff.warmup_cosine_decay_schedule(0.0, 1e-2, 2, args.steps, 1e-3), eps=1e-6)
     step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
-    state = ff.TrainState.create(f.shard(), opt)
+    state = ff.TrainState.create(f.shard(), opt, rng=0)  # dropout's key: saved with the state
     gen = torch.Generator().manual_seed(1)  # the data order: part of the checkpoint
 
     mgr = ff.checkpoint.CheckpointManager(

@@ -174,6 +174,7 @@ def test_checkpoint_keys_carry_parameter_and_field_names(tmp_path):
         "opt_state.1.0.nu.layers.0.q.lora_A",
         "params.layers.0.q.base",
         "params.layers.0.q.lora_A",
+        "rng",  # the random key (train_step's dropout)
         "step",
     ]
     loaded = ff.checkpoint.load(tmp_path / "ckpt", state)

@@ -55,6 +55,11 @@ class CheckpointManager:
     collective). ``save`` and ``restore`` are collective calls; ``latest_step`` and
     ``all_steps`` only read the directory.
 
+    A ``TrainState`` brings its random key (``state.rng``, from which ``train_step`` draws
+    dropout) and its step count, so a restored run draws the masks the uninterrupted run
+    would have drawn; put what else decides the run in the saved tree, e.g. the data order
+    (``gen`` below).
+
     Args:
         directory: holds one sub-directory ``step_<n>`` per checkpoint (created if needed).
         save_every: :meth:`save` writes when ``step % save_every == 0`` (or ``force=True``).

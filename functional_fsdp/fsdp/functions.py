@@ -9,13 +9,18 @@ pytree sees them (``ModelOutput`` and any registered node), and dataclasses too.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
 
+from .. import rng
 from .units import Call, InFlight, _plain
 
 
@@ -189,41 +194,141 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
     return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
 
 
+class Replay:
+    """What a checkpointed call needs to run its forward again, exactly, in backward.
+
+    ``fn(*flat)`` is the call (``call()``, if given, runs it in forward on the caller's
+    own objects, so that containers among the inputs are the caller's, as without
+    checkpointing); :class:`Checkpoint`'s forward fills in the rest: the
+    generator state the forward drew from (so dropout draws the same masks again), a
+    snapshot of the non-tensor inputs as they were before the forward (so state that the
+    forward mutates, e.g. a Hugging Face KV cache it appends to, is seen unmutated again),
+    and how to rebuild the output (tensors from autograd, everything else as returned).
+    """
+
+    def __init__(self, fn: Callable[..., Any], call: Callable[[], Any] | None = None) -> None:
+        self.fn, self.call = fn, call  # call: the forward on the caller's own input objects
+        self.rng: Any = None
+        self.others: list[Any] = []  # the non-tensor inputs, snapshotted before the forward
+        self.out_def: torch_pytree.TreeSpec | None = None
+        self.out_others: list[Any] = []  # the output's non-tensor leaves, as returned
+        self.out_is_tensor: list[bool] = []
+
+    def first(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        self.rng = rng.get_state()
+        self.others = [snapshot(x) for x in flat if not isinstance(x, torch.Tensor)]
+        with torch.no_grad():
+            out = self.fn(*flat) if self.call is None else self.call()
+        leaves, self.out_def = flatten(out)
+        self.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self.out_others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    def again(self, flat: list[Any]) -> tuple[torch.Tensor, ...]:
+        """The forward run again on ``flat`` (tensors) and fresh copies of the snapshot."""
+        others = iter(snapshot(self.others))
+        args = [x if isinstance(x, torch.Tensor) else next(others) for x in flat]
+        with rng.preserved():
+            rng.set_state(self.rng)
+            leaves, _ = flatten(self.fn(*args))
+        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+    def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        it, others = iter(tensors), iter(self.out_others)
+        leaves = [next(it) if is_t else next(others) for is_t in self.out_is_tensor]
+        return torch_pytree.tree_unflatten(leaves, self.out_def)  # type: ignore[arg-type]
+
+
 class Checkpoint(torch.autograd.Function):
-    """Run ``fn(*flat)`` without keeping activations; recompute them in backward.
+    """Run a :class:`Replay`'s call without keeping activations; recompute them in backward.
 
     Written as a plain ``autograd.Function`` because torch's checkpoint relies on saved-tensor
-    hooks (refused inside ``torch.func`` transforms) or lacks ``setup_context``.
+    hooks (refused inside ``torch.func`` transforms) or lacks ``setup_context``. Like torch's
+    (``preserve_rng_state=True``), the recompute draws the forward's random numbers. Returns
+    the output's tensor leaves; ``replay.output`` rebuilds the output.
     """
 
     @staticmethod
-    def forward(fn: Callable[..., Any], *flat: Any) -> Any:  # type: ignore[override]
-        with torch.no_grad():
-            return fn(*flat)
+    def forward(replay: Replay, *flat: Any) -> Any:  # type: ignore[override]
+        return replay.first(flat)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.fn = inputs[0]
+        ctx.replay = inputs[0]
         ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs[1:]]
         ctx.save_for_backward(*(x for x in inputs[1:] if isinstance(x, torch.Tensor)))
-        ctx.others = [x for x in inputs[1:] if not isinstance(x, torch.Tensor)]
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-        flat = [next(tensors) if is_t else next(others) for is_t in ctx.is_tensor]
+        replay: Replay = ctx.replay
+        tensors = iter(ctx.saved_tensors)
+        flat: list[Any] = [next(tensors) if is_t else None for is_t in ctx.is_tensor]
         diff = [i for i, is_t in enumerate(ctx.is_tensor) if is_t and ctx.needs_input_grad[1 + i]]
 
-        def recompute(*xs: torch.Tensor) -> Any:
+        def recompute(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             args = list(flat)
             for i, x in zip(diff, xs):
                 args[i] = x
-            return ctx.fn(*args)
+            return replay.again(args)
 
         # torch.func.vjp works both under plain autograd and inside torch.func transforms.
         out, vjp_fn = torch.func.vjp(recompute, *(flat[i] for i in diff))
-        got = vjp_fn(grads if isinstance(out, tuple) else grads[0])
+        cotangents = tuple(
+            g if o.is_floating_point() or o.is_complex() else None for o, g in zip(out, grads)
+        )
+        got = vjp_fn(cotangents)
         result: list[Any] = [None] * len(flat)
         for i, g in zip(diff, got):
             result[i] = g
         return (None, *result)
+
+
+_SHARED = (
+    torch.Tensor,
+    torch.nn.Module,
+    torch.Generator,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+    enum.Enum,
+)
+
+
+def snapshot(x: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of the mutable structure of ``x`` that shares its tensors, modules and functions.
+
+    Containers and plain objects (their ``__dict__``) are copied, so code that replaces what
+    they hold (``cache.keys = torch.cat(...)``, ``list.append``) leaves the snapshot as it
+    was; tensors are shared, never copied. Objects that cannot be copied are shared.
+    """
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, *_SHARED)):
+        return x
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)]
+    kind = type(x)
+    if kind in (list, tuple, set, frozenset):
+        out: Any = kind(snapshot(v, memo) for v in x)
+    elif kind is dict:
+        out = {k: snapshot(v, memo) for k, v in x.items()}
+    elif isinstance(getattr(x, "__dict__", None), dict) and not callable(x):
+        try:
+            out = copy.copy(x)
+        except Exception:  # an object that refuses to be copied is shared as it is
+            return x
+        if out is x or not isinstance(getattr(out, "__dict__", None), dict):
+            return x
+        memo[id(x)] = out
+        for k, v in list(vars(out).items()):
+            out.__dict__[k] = snapshot(v, memo)
+        if isinstance(out, dict):  # dict subclasses (ModelOutput) keep items apart from attrs
+            for k, v in list(out.items()):
+                dict.__setitem__(out, k, snapshot(v, memo))
+        return out
+    else:
+        return x
+    memo[id(x)] = out
+    return out

@@ -38,6 +38,7 @@ from .functions import (
     PostBackward,
     PreBackward,
     ReduceFence,
+    Replay,
     UnitGather,
     attach,
     cast_floating,
@@ -345,15 +346,18 @@ def _checkpointed(
 ) -> Any:
     leaves, treedef = flatten((list(params), args, kwargs))
 
-    def fn(*flat: Any) -> Any:
-        ps, a, kw = torch_pytree.tree_unflatten(list(flat), treedef)
+    def run(ps: list[torch.Tensor], a: Any, kw: Any) -> Any:
         _set(where, ps)
         try:
             return inner(*a, **kw)
         finally:
             _restore(where, up, placeholders)
 
-    return Checkpoint.apply(fn, *leaves)
+    def fn(*flat: Any) -> Any:  # the recompute: rebuilt from the leaves
+        return run(*torch_pytree.tree_unflatten(list(flat), treedef))
+
+    replay = Replay(fn, lambda: run(list(params), args, kwargs))
+    return replay.output(Checkpoint.apply(replay, *leaves))
 
 
 def _set_buffers(

@@ -38,6 +38,8 @@ class GPTConfig:
         n_head: attention heads.
         n_embd: model width (divisible by ``n_head``).
         mlp_ratio: MLP hidden width over ``n_embd``.
+        dropout: dropout probability on the embeddings and on each residual branch (in
+            training mode), as nanoGPT's ``resid_pdrop``.
     """
 
     vocab_size: int = 256
@@ -46,6 +48,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     mlp_ratio: int = 4
+    dropout: float = 0.0
 
 
 class Attention(nn.Module):
@@ -84,10 +87,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class GPT(nn.Module):
@@ -106,6 +110,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init)
@@ -119,7 +124,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device)))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
