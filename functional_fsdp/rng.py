@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,12 +159,49 @@ def _plain_ops() -> Iterator[None]:
         yield
 
 
+@dataclass
+class _Streams:
+    """The two streams of a :func:`seeded` block on a mesh with model (tp) axes: the common
+    one (the same on every tp rank) and the sequence one (the tp coordinates folded in).
+    One of them is in torch's generators; ``other`` holds the other's state."""
+
+    other: Any  # the inactive stream's generator state (as _get_state gives it)
+    sequence: bool  # the sequence stream is the active one
+
+
+_streams: _Streams | None = None  # the innermost seeded block's, if it has two
+
+
+def sequence_stream(active: bool) -> None:
+    """Draw from the sequence stream (``True``) or the common one (``False``) from now on.
+
+    Called by the tensor-parallel styles in forward where an activation enters the
+    sequence-parallel region (a reduce-scatter or scatter along the sequence) and where it
+    leaves it (the all-gather at a block's input), so that dropout on a sequence-sharded
+    activation draws each tp rank's own part and dropout on a replicated one draws the same
+    mask on every tp rank. Outside a :func:`seeded` block on a mesh with model axes there is
+    one stream, and this does nothing. Idempotent.
+    """
+    streams = _streams
+    if streams is None or streams.sequence == active:
+        return
+    mode = _local_mode()
+    with _plain_ops():
+        current = _get_state(mode)
+        _set_state(streams.other, mode)
+    streams.other, streams.sequence = current, active
+
+
 def get_state() -> Any:
     """The generator state random ops read now: CPU (and the current CUDA device's), or on a
-    simulated mesh every simulated rank's. Opaque; give it to :func:`set_state`."""
+    simulated mesh every simulated rank's, and inside a :func:`seeded` block with two
+    streams (see :func:`sequence_stream`) the other stream's and which one is active.
+    Opaque; give it to :func:`set_state`."""
     mode = _local_mode()  # (before the simulation is paused)
     with _plain_ops():
-        return _get_state(mode)
+        generators = _get_state(mode)
+    streams = None if _streams is None else (_streams.other, _streams.sequence)
+    return generators, streams
 
 
 def _get_state(mode: Any) -> Any:
@@ -178,10 +216,13 @@ def _get_state(mode: Any) -> Any:
 
 
 def set_state(state: Any) -> None:
-    """Restore a state from :func:`get_state`."""
+    """Restore a state from :func:`get_state` (both streams, and which one is active)."""
+    generators, streams = state
     mode = _local_mode()
     with _plain_ops():
-        _set_state(state, mode)
+        _set_state(generators, mode)
+    if _streams is not None and streams is not None:
+        _streams.other, _streams.sequence = streams
 
 
 def _set_state(state: Any, mode: Any) -> None:
@@ -250,27 +291,56 @@ def seeded(
         >>> torch.equal(a, b)
         True
     """
+    global _streams
     bits = key_bits(key, "seeded")
-    saved = get_state()
+    saved, outer = get_state(), _streams
     try:
         mode = _local_mode()
+        _streams = None
         if mesh is None:
             states = _seed_generators(_seed_of(bits))
             if mode is not None:
                 with _plain_ops():
                     for r in mode._per_rank_rng_states:
                         mode._per_rank_rng_states[r] = (states[0].clone(), dict(states[1]))
-        elif mode is None:
-            index = data_index(local_coordinate(mesh), axis_sizes(mesh), axes)
-            _seed_generators(_seed_of(_fold(bits, index)))
         else:
-            sizes = axis_sizes(mesh)
-            for r in sorted(mode._per_rank_rng_states):
-                index = data_index(coordinate_of(mesh, r), sizes, axes)
-                mode._per_rank_rng_states[r] = _seed_generators(_seed_of(_fold(bits, index)))
+            model_axes = tuple(a for a in axis_sizes(mesh) if a not in axes)
+            if model_axes:  # the sequence stream first, then the common one on top
+                _seed_mesh(bits, mesh, axes, model_axes, mode)
+                with _plain_ops():
+                    _streams = _Streams(_get_state(mode), sequence=False)
+            _seed_mesh(bits, mesh, axes, None, mode)
         yield
     finally:
+        _streams = outer
         set_state(saved)
+
+
+_SEQUENCE = 0x5E9_0E4CE  # folded in before the model coordinates: the sequence stream
+
+
+def _seed_mesh(
+    bits: int,
+    mesh: DeviceMesh,
+    axes: tuple[str, ...],
+    model_axes: tuple[str, ...] | None,
+    mode: Any,
+) -> None:
+    """Seed each rank's generators from ``bits`` with its index over ``axes`` folded in, and
+    (``model_axes`` given: the sequence stream) then its index over ``model_axes``."""
+    sizes = axis_sizes(mesh)
+
+    def seed(coord: dict[str, int]) -> int:
+        b = _fold(bits, data_index(coord, sizes, axes))
+        if model_axes is not None:
+            b = _fold(_fold(b, _SEQUENCE), data_index(coord, sizes, model_axes))
+        return _seed_of(b)
+
+    if mode is None:
+        _seed_generators(seed(local_coordinate(mesh)))
+    else:
+        for r in sorted(mode._per_rank_rng_states):
+            mode._per_rank_rng_states[r] = _seed_generators(seed(coordinate_of(mesh, r)))
 
 
 # --------------------------------------------------------------------------- global-batch draws

@@ -261,19 +261,40 @@ def dp_masks_simulated(world: int, steps: int = 2, accumulate: int = 2) -> list[
         return [[ff.rank_values(m)[r] for m in masks] for r in range(world)]
 
 
+class DrawProbe:
+    """Draws ``torch.rand(6)`` after each forward call of a module (what dropout there would
+    draw from), and records the numbers."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.draws: list[list[float]] = []
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        with torch._C._DisableFuncTorch():
+            self.draws.append(torch.rand(6).tolist())
+
+    def close(self) -> list[list[float]]:
+        self.handle.remove()
+        return self.draws
+
+
 def tp_masks(sequence_parallel: bool) -> dict[str, Any]:
-    """Masks on a dp=1, tp=N mesh: the residual stream's (replicated, or sequence-sharded)."""
+    """Masks on a dp=1, tp=N mesh: the residual stream's (replicated, or sequence-sharded),
+    and numbers drawn after each block's first colwise linear (which, under sequence
+    parallelism, all-gathered its input), gathered from every rank."""
     torch.manual_seed(0)
     model = project_gpt(0.5)
     mesh = ff.make_mesh({"dp": 1, "tp": dist.get_world_size()})
     plan = gpt_plan(model.cfg, sequence_parallel=sequence_parallel, loss_parallel=False)
     step, state = _gpt_step(mesh, model, plan)
     probe = MaskProbe(model.blocks[0].drop)
+    draws = [DrawProbe(b.mlp.fc1) for b in model.blocks]
     batch = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator())
     state, _ = step(state, batch)
     masks = probe.close()
+    mine = {"masks": [m.tolist() for m in masks], "draws": [d.close() for d in draws]}
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [m.tolist() for m in masks])
+    dist.all_gather_object(gathered, mine)
     return {"shapes": [tuple(m.shape) for m in masks], "all": gathered}
 
 
@@ -317,5 +338,97 @@ def tp_recompute(sequence_parallel: bool) -> dict[str, Any]:
         tp = tensor_parallel(model, mesh, plan)
         return ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers, policy=policy)
 
-    return recompute_check(lambda: project_gpt(0.1), mesh, lm_batch(0, rows=2, length=9),
-                           shard=shard)  # fmt: skip
+    out = recompute_check(lambda: project_gpt(0.1), mesh, lm_batch(0, rows=2, length=9),
+                          shard=shard)  # fmt: skip
+    return {**out, "backward_draws": backward_draws(project_gpt(0.1), mesh, shard)}
+
+
+def _states_equal(a: Any, b: Any) -> bool:
+    (gens_a, streams_a), (gens_b, streams_b) = a, b
+    if not torch.equal(gens_a[0], gens_b[0]) or (streams_a is None) != (streams_b is None):
+        return False
+    return streams_a is None or (
+        streams_a[1] == streams_b[1] and torch.equal(streams_a[0][0], streams_b[0][0])
+    )
+
+
+def backward_draws(model: nn.Module, mesh: Any, shard: Shard) -> bool:
+    """Whether a checkpointed backward moves the generators (either stream, or which one is
+    active): the state at the end of the forward against the state after the backward."""
+    from functional_fsdp import rng
+
+    sm = shard(model.train(), mesh, ff.Policy(checkpoint=True))
+    ids, after_forward = lm_batch(0, rows=2, length=9), []
+
+    def loss(p: Any) -> torch.Tensor:
+        out = lm_loss_of(sm, p, ids)
+        after_forward.append(rng.get_state())
+        return out
+
+    with ff.seeded(ff.rng_key(0), mesh=mesh, axes=sm.data_axes):
+        torch.func.grad(loss)(sm.shard())
+        return not _states_equal(after_forward[0], rng.get_state())
+
+
+# --------------------------------------------------------------------------- the zoo
+
+
+def _dropout_knobs(cfg: Any) -> list[str]:
+    """The config's dropout probabilities (``attention_dropout``, ``resid_pdrop``, ...)."""
+    return sorted(
+        k
+        for k, v in vars(cfg).items()
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and not isinstance(v, bool)
+    )
+
+
+def zoo_model(name: str, p: float) -> tuple[nn.Module, list[str]]:
+    """The zoo's ``name`` in training mode with every dropout knob of its config set to ``p``
+    (fp32, seeded); and the knobs that were set."""
+    import transformers
+
+    from ._zoo import ZOO
+
+    arch = ZOO[name]
+    cfg = arch.config()
+    knobs = _dropout_knobs(cfg)
+    for k in knobs:
+        setattr(cfg, k, p)
+    torch.manual_seed(0)
+    return getattr(transformers, arch.cls)(cfg).train(), knobs
+
+
+def zoo_recompute(
+    names: list[str], tp_names: list[str], sp_names: list[str]
+) -> dict[str, dict[str, Any]]:
+    """:func:`recompute_check` for each zoo model in ``names`` on a dp mesh of all ranks, and
+    for each in ``tp_names`` (``sp_names``) on dp=1 x tp=world with ``ff.hf_tp_plan``
+    (with ``sequence_parallel=True``; logits gathered): dropout 0.1 wherever the config has a
+    knob for it, fp32. Each model is built once."""
+    from ._zoo import ZOO
+
+    world = dist.get_world_size()
+    dp = ff.make_mesh({"dp": world})
+    tp = ff.make_mesh({"dp": 1, "tp": world}) if tp_names or sp_names else None
+
+    def hf_tp(sp: bool) -> Shard:
+        def shard(model: nn.Module, mesh: Any, policy: ff.Policy) -> ff.FSDP:
+            plan = ff.hf_tp_plan(model, loss_parallel=False, sequence_parallel=sp)
+            t = tensor_parallel(model, mesh, plan)
+            return ff.fsdp(model, mesh, specs=t.specs, wrappers=t.wrappers, policy=policy)
+
+        return shard
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys([*names, *tp_names, *sp_names]):
+        model, knobs = zoo_model(name, 0.1)
+        runs = [("dp", dp, _fsdp, dist.get_rank())] if name in names else []
+        runs += [("tp", tp, hf_tp(False), 0)] if name in tp_names else []  # one batch on tp
+        runs += [("sp", tp, hf_tp(True), 0)] if name in sp_names else []
+        for where, mesh, shard, seed in runs:
+            g = torch.Generator().manual_seed(100 + seed)
+            batch = torch.randint(0, ZOO[name].vocab, (2, 8), generator=g)
+            res = recompute_check(lambda m=model: m, mesh, batch, check_key=bool(knobs),
+                                  shard=shard)  # fmt: skip
+            out[f"{name}-{where}"] = {**res, "knobs": knobs}
+    return out

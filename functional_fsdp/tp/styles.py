@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
+from .. import rng
 from ..dist import collectives as C
 from ..dist.simulate import per_coordinate
 from ..spec import P
@@ -110,8 +111,22 @@ def _enter(x: torch.Tensor, layout: str, mesh: DeviceMesh, axis: str, seq_dim: i
     if layout == "replicated":
         return copy_to(x, mesh, axis)
     if layout == "sequence":
-        return C.all_gather(x, mesh, axis, seq_dim)
+        return _leave_sequence(C.all_gather(x, mesh, axis, seq_dim))
     return x  # "prepared": an enclosing PrepareInput entered the region (and reduces in backward)
+
+
+def _enter_sequence(x: Any) -> Any:
+    """``x`` has just entered the sequence-parallel region: draw from each tp rank's own
+    stream from now on (:func:`functional_fsdp.rng.sequence_stream`; forward only)."""
+    rng.sequence_stream(True)
+    return x
+
+
+def _leave_sequence(x: Any) -> Any:
+    """``x`` has just been gathered out of the sequence-parallel region: draw from the stream
+    common to the tp ranks from now on."""
+    rng.sequence_stream(False)
+    return x
 
 
 def _divides(what: str, n: int, tp: int, fix: str) -> str | None:
@@ -441,7 +456,7 @@ class RowwiseParallel(Style):
             if self.output == "replicated":
                 y = reduce_from(y, mesh, axis)
             else:
-                y = C.reduce_scatter(y, mesh, axis, self.sequence_dim)
+                y = _enter_sequence(C.reduce_scatter(y, mesh, axis, self.sequence_dim))
                 # Each rank sees only its part of the sequence: sum the bias gradient.
                 bias = copy_to(bias, mesh, axis) if bias is not None else None
             return y if bias is None else y + bias
@@ -540,7 +555,7 @@ class VocabParallelEmbedding(Style):
             out = out * inside.unsqueeze(-1).to(out.dtype)
             if seq is None:
                 return C.all_reduce(out, mesh, axis)
-            return C.reduce_scatter(out, mesh, axis, seq)
+            return _enter_sequence(C.reduce_scatter(out, mesh, axis, seq))
 
         def wrapper(forward: Forward) -> Forward:
             def embedding(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -557,7 +572,8 @@ class VocabParallelEmbedding(Style):
                     weight = torch.where(frozen, weight.detach(), weight)
                 if not plain:
                     return own_forward(forward, weight, args, kwargs)
-                return vocab_parallel_embedding(ids, weight, mesh, axis, sequence_dim=seq)
+                out = vocab_parallel_embedding(ids, weight, mesh, axis, sequence_dim=seq)
+                return out if seq is None else _enter_sequence(out)
 
             return embedding
 
@@ -854,7 +870,7 @@ class ScatterInput(Style):
 
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         def scatter(x: torch.Tensor) -> torch.Tensor:
-            return scatter_to(x, mesh, axis, self.dim)
+            return _enter_sequence(scatter_to(x, mesh, axis, self.dim))
 
         def wrapper(forward: Forward) -> Forward:
             def scatter_input(*args: Any, **kwargs: Any) -> Any:
@@ -883,7 +899,7 @@ class ScatterOutput(Style):
     def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
         def wrapper(forward: Forward) -> Forward:
             def scatter(*args: Any, **kwargs: Any) -> Any:
-                return scatter_to(forward(*args, **kwargs), mesh, axis, self.dim)
+                return _enter_sequence(scatter_to(forward(*args, **kwargs), mesh, axis, self.dim))
 
             return scatter
 
