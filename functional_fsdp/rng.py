@@ -10,7 +10,9 @@ duration of a block and puts the caller's back afterwards.
 ``train_step`` draws micro-batch ``m`` of step ``s`` on data-parallel rank ``d`` from
 ``fold_in(fold_in(fold_in(key, s), d), m)``, where ``d`` numbers the data-parallel ranks
 row-major over the data axes (model axes, tp, are not folded in: tensor-parallel ranks draw
-the same numbers). See ``docs/randomness.md`` for the whole contract.
+the same numbers), except on sequence-parallel activations: there the tensor-parallel styles
+switch to a second stream with the tp coordinates folded in (:func:`sequence_stream`), so
+each tp rank draws its own part. See ``docs/randomness.md`` for the whole contract.
 
 The private half of this module captures and restores generator states, on real processes
 (the CPU generator, and the current CUDA device's where CUDA is in use) and on simulated
@@ -274,8 +276,11 @@ def seeded(
     Torch's global generators (CPU, and the current CUDA device's where CUDA is in use) are
     seeded from ``key``. With a ``mesh``, each rank first folds in its index over ``axes``
     (row-major; e.g. the data-parallel axes), so ranks that differ on those axes draw
-    independent numbers and ranks that differ only on other axes draw the same ones. On a
-    simulated mesh every simulated rank gets its own generator the same way.
+    independent numbers and ranks that differ only on other axes draw the same ones. If the
+    mesh has other (model) axes, the block also holds a second, *sequence* stream with the
+    rank's index over those axes folded in too, which the tensor-parallel styles switch to
+    on sequence-parallel activations (:func:`sequence_stream`). On a simulated mesh every
+    simulated rank gets its own generators the same way.
 
     Args:
         key: from :func:`rng_key` or :func:`fold_in`.

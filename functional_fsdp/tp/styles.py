@@ -588,7 +588,8 @@ class SequenceParallel(Style):
     nothing. The parameters are replicated over tp, but each rank sees only part of the
     sequence, so they enter through :func:`copy_to` and their gradients are summed over tp.
     Every module that reads a sequence-split activation with replicated parameters needs
-    this style, or its gradients stay partial. (Dropout masks come from each rank's RNG.)
+    this style, or its gradients stay partial. (Dropout here draws from each tp rank's own
+    stream under a key: :func:`functional_fsdp.rng.sequence_stream`.)
 
     Example:
         >>> SequenceParallel()
