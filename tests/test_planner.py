@@ -335,3 +335,24 @@ def test_errors_name_the_problem_and_the_fix():
         plan(model, {"dp": 2, "tp": 2}, batch=(4, 8), tp_plan=sp)
     with pytest.raises(ValueError, match=r"the spec for parameter 'tok_emb.weight'"):
         plan(model, {"dp": 2}, specs=ff.P("fsdp"))
+
+
+def test_strategies_priced_together_equal_each_priced_alone():
+    # compare_strategies shares unit plans, optimizer state and forward traces between its
+    # strategies; each report must still be the one its strategy gets on its own.
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    kwargs = dict(
+        batch=(8, 16),
+        hsdp_shard=2,
+        tp=2,
+        tp_plan=gpt_plan(cfg, loss_parallel=False),
+        mixed_precision=ff.MixedPrecision(param_dtype=torch.bfloat16),
+        checkpoint=lambda unit: unit.endswith("0"),
+    )
+    together = compare_strategies(model, 4, **kwargs)
+    assert len(together.reports) == 7
+    for report in together.reports:
+        (alone,) = compare_strategies(model, 4, strategies=(report.name,), **kwargs).reports
+        assert alone == report, report.name

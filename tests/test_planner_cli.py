@@ -193,3 +193,15 @@ def _redirect_stderr(target: io.StringIO):
     import contextlib
 
     return contextlib.redirect_stderr(target)
+
+
+def test_importing_the_package_leaves_checkpointing_for_later():
+    # ff.checkpoint (torch's distributed checkpointing and DTensor, about a second) loads on
+    # first use, so the command line does not pay for it.
+    code = (
+        "import sys, functional_fsdp as ff; from functional_fsdp.planner import _cli; "
+        "assert 'torch.distributed.checkpoint' not in sys.modules; "
+        "assert callable(ff.checkpoint.save) and 'torch.distributed.checkpoint' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
