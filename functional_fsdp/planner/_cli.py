@@ -371,17 +371,17 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
         return 0
     if args.model is None:
         parser().error("name a model: a config.json, a directory, or a built-in shape (--list)")
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     config, name = load_config(args.model)
     model = build_model(config)
     kwargs = arguments(args, model, config)
-    built = time.perf_counter()
+    built, built_cpu = time.perf_counter(), time.process_time()
     world = kwargs.pop("world_size")
     try:
         cmp = compare_strategies(model, world, **kwargs)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    planned = time.perf_counter()
+    planned, planned_cpu = time.perf_counter(), time.process_time()
     params = sum(p.numel() for p in model.parameters())
     if args.json:
         doc = {
@@ -403,7 +403,10 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
     console.print(memory_table(cmp, args.gib))
     console.print(traffic_table(cmp))
     console.print(UNIT_NOTE)
-    console.print(f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s")
+    console.print(
+        f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s "
+        f"(CPU: {built_cpu - start_cpu:.2f} s and {planned_cpu - built_cpu:.2f} s)"
+    )
     if args.gib is not None:
         console.print(f"fits in {args.gib:g} GiB: {', '.join(cmp.fits(args.gib)) or 'none'}")
     return 0
