@@ -103,7 +103,7 @@ class Comparison:
         return [r.to_dict() for r in self.reports]
 
     def summary(self, gib: float | None = None) -> str:
-        """The table as plain text."""
+        """The table as plain text, as wide as the terminal (``COLUMNS``, or 80 through a pipe)."""
         return to_text(self.table(gib))
 
     def __rich__(self) -> Any:

@@ -257,7 +257,7 @@ class PlanReport:
         return to_html(self.table())
 
     def summary(self) -> str:
-        """The table as plain text."""
+        """The table as plain text, as wide as the terminal (``COLUMNS``, or 80 through a pipe)."""
         from ._render import to_text
 
         return to_text(self.table())
