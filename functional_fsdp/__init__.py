@@ -5,7 +5,6 @@ data (a :class:`P` per tensor), and ``shard``/``gather``/``reshard`` move values
 layouts with explicit, differentiable collectives.
 """
 
-from . import checkpoint as checkpoint
 from ._partition import combine as combine
 from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves
@@ -244,3 +243,13 @@ __all__ = [
     "vocab_parallel_embedding",
     "warmup_cosine_decay_schedule",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``ff.checkpoint`` loads on first use: it imports torch's distributed checkpointing
+    (and DTensor), about a second that the planner's command line does not need."""
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

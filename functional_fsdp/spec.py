@@ -20,6 +20,7 @@ import difflib
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 SpecEntry = None | str | tuple[str, ...]
 
@@ -211,9 +212,10 @@ class Layout:
             lengths.append(_ceil_div(lengths[-1], sizes[axis]))
         return lengths
 
-    @property
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
-        """The padded shape of every coordinate's local block (the same on all of them)."""
+        """The padded shape of every coordinate's local block (the same on all of them;
+        worked out once per layout: the planner asks for it thousands of times)."""
         return tuple(self.block_sizes(d)[-1] for d in range(len(self.global_shape)))
 
     @property

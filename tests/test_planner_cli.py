@@ -15,6 +15,7 @@ import torch
 
 import functional_fsdp as ff
 from functional_fsdp.planner import _cli
+from functional_fsdp.planner._render import short
 
 from ._hf import tiny_llama_config
 
@@ -56,7 +57,7 @@ def test_a_config_dir_and_a_2d_mesh_give_the_apis_figures(llama_dir):
         tp=2,
         mixed_precision=bf16,
         checkpoint=True,
-        strategies=("ddp", "zero1", "zero2", "zero3", "fsdp+tp"),
+        strategies=("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "fsdp+tp"),
     )
     got = _cli_json(
         str(llama_dir),
@@ -70,7 +71,14 @@ def test_a_config_dir_and_a_2d_mesh_give_the_apis_figures(llama_dir):
         "bf16",
         "--checkpoint",
     )
-    assert [r["name"] for r in got["reports"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp+tp"]
+    assert [r["name"] for r in got["reports"]] == [
+        "ddp",
+        "zero1",
+        "zero2",
+        "shard_grad_op",
+        "zero3",
+        "fsdp+tp",
+    ]
     assert got["reports"] == _api_json(expected)
     assert got["params"] == sum(p.numel() for p in _meta(config).parameters())
     # config.json itself, HSDP on a replicate x shard mesh, no optimizer, plain fp32
@@ -119,6 +127,8 @@ def test_the_zero_papers_setup_gives_the_apis_figures():
         "--optimizer",
         "adam",
         "--no-activations",
+        "--strategies",
+        "ddp,zero1,zero2,zero3",
     )
     assert got["params"] == params
     assert got["reports"] == _api_json(expected)
@@ -147,13 +157,13 @@ def test_the_tables_fit_80_columns_with_colour_off(llama_dir, monkeypatch):
         batch=(4, 4096),
         tp_plan=ff.llama_plan(tiny_llama_config(), loss_parallel=False),
         tp=2,
-        strategies=("ddp", "zero1", "zero2", "zero3", "fsdp+tp"),
+        strategies=("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "fsdp+tp"),
     )
     for report in expected.reports:
         # Each strategy's row holds its peak, and "NO" in words (not only in a colour).
         memory = text.split("traffic per step")[0].splitlines()
         (row,) = [line for line in memory if line.split()[:1] == [report.name]]
-        assert _cli.short(report.peak_bytes) in row.split()
+        assert short(report.peak_bytes) in row.split()
         assert row.split()[-1] == ("fits" if report.fits(0.001) else "NO")
     assert "fits in 0.001 GiB: " in text
 
@@ -183,3 +193,15 @@ def _redirect_stderr(target: io.StringIO):
     import contextlib
 
     return contextlib.redirect_stderr(target)
+
+
+def test_importing_the_package_leaves_checkpointing_for_later():
+    # ff.checkpoint (torch's distributed checkpointing and DTensor, about a second) loads on
+    # first use, so the command line does not pay for it.
+    code = (
+        "import sys, functional_fsdp as ff; from functional_fsdp.planner import _cli; "
+        "assert 'torch.distributed.checkpoint' not in sys.modules; "
+        "assert callable(ff.checkpoint.save) and 'torch.distributed.checkpoint' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

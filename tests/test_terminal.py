@@ -116,3 +116,79 @@ def test_visualize_with_colour_off_says_everything_in_words(monkeypatch, capsys)
             assert label in plain
         assert "+1 pad" in plain
         assert max(map(len, plain.splitlines())) <= 80
+
+
+# --------------------------------------------------------------------------- planner tables
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    """Every strategy of a small GPT on 1,024 ranks: long mesh names (replicate=128
+    shard=8), the ZeRO paper's table, and a unit path in each report."""
+    from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+
+    cfg = GPTConfig(n_layer=2, vocab_size=64, n_embd=64, n_head=8, block_size=16)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return ff.compare_strategies(
+        model,
+        1024,
+        batch=(1024, 16),
+        tp_plan=gpt_plan(cfg, loss_parallel=False),
+        tp=8,
+        hsdp_shard=8,
+        mixed_precision=ff.MixedPrecision(param_dtype=torch.bfloat16),
+        optimizer="adam",
+    )
+
+
+def _whole(word: str, text: str) -> bool:
+    return re.search(rf"(^|\s){re.escape(word)}(\s|$)", text, re.M) is not None
+
+
+def test_plan_tables_take_the_terminal_width_and_never_break_a_name(comparison, monkeypatch):
+    from functional_fsdp.planner._render import short
+
+    monkeypatch.setenv("COLUMNS", "80")  # not a terminal here: rich reads COLUMNS
+    texts = {"cmp": str(comparison), "gib": comparison.summary(gib=0.0005)}
+    texts |= {r.name: str(r) for r in comparison.reports}
+    for text in texts.values():
+        assert max(map(len, text.splitlines())) <= 80, text
+        assert "…" not in text and "\x1b[" not in text  # nothing cut short, no colour
+    table = texts["gib"].split("at rest per device")[0].splitlines()
+    for r in comparison.reports:
+        # A row per strategy: its whole name, each mesh axis whole, its figures, and
+        # whether it fits in words.
+        (i,) = [i for i, line in enumerate(table) if line.split()[:1] == [r.name]]
+        row = table[i]
+        assert [short(r.peak_bytes), short(r.comm_bytes())] == row.split()[-3:-1]
+        assert row.split()[-1] == ("yes" if r.fits(0.0005) else "no")
+        for axis, size in r.mesh.items():
+            assert _whole(f"{axis}={size}", table[i] + "\n" + table[i + 1])
+        text = texts[r.name]
+        assert _whole(f"({r.largest_unit or '<root>'})", text) and _whole(r.name + ":", text)
+    # Wider terminals get wider tables: one line per strategy, mesh included.
+    monkeypatch.setenv("COLUMNS", "200")
+    wide = str(comparison).splitlines()
+    (row,) = [line for line in wide if line.split()[:1] == ["hsdp"]]
+    assert "replicate=128 shard=8" in row
+
+
+def test_plan_tables_in_16_colours_say_what_they_say_without_colour(comparison, monkeypatch):
+    from functional_fsdp.planner._render import to_text
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    out = io.StringIO()
+    Console(width=80, file=out, color_system="standard", force_terminal=True).print(comparison)
+    coloured = out.getvalue()
+    assert not re.search(r"\x1b\[[0-9;]*(4[0-7]|10[0-7]|48;)", coloured)  # no background
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", coloured)
+    assert [line.rstrip() for line in plain.splitlines()] == [
+        line.rstrip() for line in to_text(comparison, width=80).splitlines()
+    ]
+    # NO_COLOR on a colour terminal, as a user gets it: the same words, no escape codes.
+    monkeypatch.setenv("NO_COLOR", "1")
+    out = io.StringIO()
+    Console(width=80, file=out, force_terminal=True).print(comparison["hsdp"])
+    assert not re.search(r"\x1b\[[0-9;]*3[0-7]m", out.getvalue())
+    assert "replicate" in out.getvalue() and "peak estimate" in out.getvalue()

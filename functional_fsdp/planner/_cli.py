@@ -303,29 +303,12 @@ def arguments(args: argparse.Namespace, model: torch.nn.Module, config: Any) -> 
     return {"world_size": world, **kwargs}
 
 
-_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
-
-
-def short(n: int) -> str:
-    """Bytes in 3 significant digits and the unit's letter (``263G``, ``7.13G``, ``512B``;
-    K, M, G, T are KiB, MiB, GiB, TiB): at most 5 characters, so that a table of them fits
-    an 80-column terminal."""
-    for unit, size in _UNITS:
-        if n >= size:
-            value = n / size
-            return f"{value:.3g}{unit[0]}" if value < 1000 else f"{value:.0f}{unit[0]}"
-    return f"{n}B"
-
-
-_UNIT_NOTE = "bytes: K, M, G, T are KiB, MiB, GiB, TiB"
-
-
 def memory_table(cmp: Comparison, gib: float | None = None) -> Any:
     """Memory per device, by part, one row per strategy."""
     from rich import box
     from rich.table import Table
 
-    from ._render import PARTS, parts
+    from ._render import PARTS, parts, short
 
     table = Table(
         title="memory per device",
@@ -351,6 +334,8 @@ def traffic_table(cmp: Comparison) -> Any:
     """Bytes each rank sends per step, by strategy, collective kind and mesh axis."""
     from rich import box
     from rich.table import Table
+
+    from ._render import short
 
     table = Table(
         title="traffic per step, sent per rank",
@@ -386,17 +371,17 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
         return 0
     if args.model is None:
         parser().error("name a model: a config.json, a directory, or a built-in shape (--list)")
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     config, name = load_config(args.model)
     model = build_model(config)
     kwargs = arguments(args, model, config)
-    built = time.perf_counter()
+    built, built_cpu = time.perf_counter(), time.process_time()
     world = kwargs.pop("world_size")
     try:
         cmp = compare_strategies(model, world, **kwargs)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    planned = time.perf_counter()
+    planned, planned_cpu = time.perf_counter(), time.process_time()
     params = sum(p.numel() for p in model.parameters())
     if args.json:
         doc = {
@@ -410,13 +395,18 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
         return 0
     from rich.console import Console
 
+    from ._render import UNIT_NOTE
+
     console = Console(file=out, highlight=False) if file is not None else Console(highlight=False)
     size = "" if args.model in SHAPES else f", {params / 1e9:.3g}B parameters"
     console.print(f"{name}{size}, on {world} devices")
     console.print(memory_table(cmp, args.gib))
     console.print(traffic_table(cmp))
-    console.print(_UNIT_NOTE)
-    console.print(f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s")
+    console.print(UNIT_NOTE)
+    console.print(
+        f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s "
+        f"(CPU: {built_cpu - start_cpu:.2f} s and {planned_cpu - built_cpu:.2f} s)"
+    )
     if args.gib is not None:
         console.print(f"fits in {args.gib:g} GiB: {', '.join(cmp.fits(args.gib)) or 'none'}")
     return 0

@@ -20,7 +20,7 @@ from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
 from ..optim.masters import master_weights as wrap_masters
 from ..spec import P
 from ..tp.styles import Style
-from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, plan
+from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, _plan
 from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
 STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp")
@@ -103,7 +103,7 @@ class Comparison:
         return [r.to_dict() for r in self.reports]
 
     def summary(self, gib: float | None = None) -> str:
-        """The table as plain text."""
+        """The table as plain text, as wide as the terminal (``COLUMNS``, or 80 through a pipe)."""
         return to_text(self.table(gib))
 
     def __rich__(self) -> Any:
@@ -193,6 +193,7 @@ def compare_strategies(
     if master_weights and opt is not None:
         opt = wrap_masters(opt, param_dtype=param_dtype or torch.float32)
     common: dict[str, Any] = dict(batch=batch, units=units, optimizer=opt, loss_fn=loss_fn)
+    memo: dict[Any, Any] = {}  # unit plans, optimizer state and traces the strategies share
     reports = []
     for s in strategies:
         if s == "ddp":
@@ -217,7 +218,7 @@ def compare_strategies(
             kw = dict(mesh={"dp": world_size // tp, "tp": tp}, tp_plan=tp_plan)
         kw.setdefault("policy", Policy(**base))
         mesh = kw.pop("mesh")
-        reports.append(plan(model, mesh, name=s, **common, **kw))
+        reports.append(_plan(model, mesh, name=s, memo=memo, **common, **kw))
     paper = {}
     if master_weights and optimizer in ("adam", "adamw") and param_dtype is not None:
         for r in reports:

@@ -257,7 +257,7 @@ class PlanReport:
         return to_html(self.table())
 
     def summary(self) -> str:
-        """The table as plain text."""
+        """The table as plain text, as wide as the terminal (``COLUMNS``, or 80 through a pipe)."""
         from ._render import to_text
 
         return to_text(self.table())
@@ -466,6 +466,50 @@ def plan(
         >>> report.by_kind_and_axis()[("all_gather", "dp")][0]  # root + 2 blocks, twice
         6
     """
+    return _plan(
+        model,
+        mesh,
+        batch=batch,
+        specs=specs,
+        units=units,
+        policy=policy,
+        data_axes=data_axes,
+        trainable=trainable,
+        tp_plan=tp_plan,
+        tp_axis=tp_axis,
+        optimizer=optimizer,
+        opt_specs=opt_specs,
+        loss_fn=loss_fn,
+        accumulate=accumulate,
+        accumulate_mode=accumulate_mode,
+        name=name,
+        memo={},
+    )
+
+
+def _plan(
+    model: nn.Module,
+    mesh: Mapping[str, int] | Any,
+    *,
+    batch: BatchArg = None,
+    specs: Specs | None = None,
+    units: UnitsArg = None,
+    policy: Policy | None = None,
+    data_axes: Sequence[str] | None = None,
+    trainable: Sequence[str] | Callable[[str], bool] | None = None,
+    tp_plan: Mapping[str, Style] | None = None,
+    tp_axis: str = "tp",
+    optimizer: OptimizerArg = "adamw",
+    opt_specs: Specs | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | Literal["lm"] | None = "lm",
+    accumulate: int = 1,
+    accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
+    name: str = "",
+    memo: dict[Any, Any],
+) -> PlanReport:
+    """:func:`plan`, with ``memo`` shared by plans of one model (see :func:`_memo`): what
+    depends only on the same inputs (a unit plan, the optimizer state of the same shards, a
+    forward trace on the same compute shapes) is worked out once."""
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -507,7 +551,12 @@ def plan(
     paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
     resolved = dict(zip((p[0] for p in paths), resolve_specs(module_params, specs)))
     param_specs = {n: resolved[n] or P() for n in module_params}
-    the_plan: Plan = make_plan(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype)
+    the_plan: Plan = _memo(
+        memo,
+        ("plan", tuple(sizes.items()), tuple(param_specs.items()), unit_paths, data_axes),
+        lambda: make_plan(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype),
+        mp.param_dtype,
+    )
     train = _trainable(model, trainable)
 
     # ---- at rest
@@ -543,7 +592,11 @@ def plan(
         for n in layouts
         if n in train
     }
-    opt_state_bytes = _state_bytes(opt, shards)
+    opt_state_bytes = _memo(
+        memo,
+        ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
+        lambda: _state_bytes(opt, shards),
+    )
     data_set = set(data_axes)
     zero = (
         opt_specs is not None
@@ -574,17 +627,25 @@ def plan(
     if local is not None:
         params = _compute_params(the_plan, sizes, data_axes, mp.param_dtype, train)
         loss = _activations.lm_loss if loss_fn == "lm" else loss_fn
-        trace = _activations.trace_forward(
-            model,
-            params,
-            the_plan.order,
-            local[0],
-            local[1],
-            loss,  # type: ignore[arg-type]
-            styles,
-            tp_axis,
-            sizes.get(tp_axis, 1),
-            mp.param_dtype if mp.cast_forward_inputs else None,
+        cast = mp.param_dtype if mp.cast_forward_inputs else None
+        key = None
+        if not styles:  # a TP trace depends on the styles too: not shared
+            key = ("trace", the_plan.order, _shapes(params), _shapes(local), id(loss), cast)
+        trace = _memo(
+            memo,
+            key,
+            lambda: _activations.trace_forward(
+                model,
+                params,
+                the_plan.order,
+                local[0],
+                local[1],
+                loss,  # type: ignore[arg-type]
+                styles,
+                tp_axis,
+                sizes.get(tp_axis, 1),
+                cast,
+            ),
         )
     ckpt = policy.checkpoint
 
@@ -636,7 +697,12 @@ def plan(
     engine_plan = the_plan
     if zero and not zero1:  # ZeRO-2: the engine reduce-scatters onto the optimizer shards
         engine_specs = {n: opt_layouts[n].spec if n in train else param_specs[n] for n in layouts}
-        engine_plan = make_plan(model, sizes, engine_specs, unit_paths, data_axes, mp.param_dtype)
+        engine_plan = _memo(
+            memo,
+            ("plan", tuple(sizes.items()), tuple(engine_specs.items()), unit_paths, data_axes),
+            lambda: make_plan(model, sizes, engine_specs, unit_paths, data_axes, mp.param_dtype),
+            mp.param_dtype,
+        )
     for uname, up in engine_plan.units.items():
         runs_backward = (
             (trace.grad_out.get(uname, any_trainable) if trace is not None else any_trainable)
@@ -750,6 +816,32 @@ def plan(
         units=tuple(unit_figs),
         seconds=time.perf_counter() - start,
     )
+
+
+def _memo(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:
+    """``make()``, remembered in ``memo`` under ``key`` (and ``more``); ``key=None``: not
+    remembered. Plans of one model share a memo (:func:`compare_strategies`): the values
+    are read, never changed, so sharing them is safe."""
+    if key is None:
+        return make()
+    key = (*key, *more)
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _shapes(tree: Any) -> tuple[Any, ...]:
+    """A hashable signature of a tree of tensors: its structure, and each leaf's shape,
+    dtype and ``requires_grad`` (other leaves by ``repr``); tied tensors by position."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    first: dict[int, int] = {}
+    sig = [str(spec)]
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            sig.append((tuple(x.shape), x.dtype, x.requires_grad, first.setdefault(id(x), i)))
+        else:
+            sig.append(repr(x))
+    return tuple(sig)
 
 
 def _trainable(model: nn.Module, trainable: Any) -> frozenset[str]:

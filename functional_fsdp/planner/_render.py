@@ -22,13 +22,19 @@ def human(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
+_UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+UNIT_NOTE = "bytes: K, M, G, T are KiB, MiB, GiB, TiB"
+
+
 def short(n: int | float) -> str:
-    """Bytes in three significant digits (``112 GiB``, ``14.1 GiB``, ``225 MiB``): a
-    comparison's cells stay narrow enough for a terminal."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    """Bytes in 3 significant digits and the unit's letter (``263G``, ``7.13G``, ``512B``;
+    K, M, G, T are KiB, MiB, GiB, TiB): at most 5 characters, so that a table of them fits
+    an 80-column terminal."""
+    for unit, size in _UNITS:
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n)} B"
+            value = n / size
+            return f"{value:.3g}{unit[0]}" if value < 1000 else f"{value:.0f}{unit[0]}"
+    return f"{int(n)}B"
 
 
 def parts(report: PlanReport) -> dict[str, int]:
@@ -43,14 +49,19 @@ def parts(report: PlanReport) -> dict[str, int]:
 
 
 def report_table(report: PlanReport) -> Any:
+    """Memory per device, then communication by kind and axis; names never wrap (a row's
+    label wraps between words, so a unit's path stays whole)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
 
+    compact: dict[str, Any] = dict(title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
     title = f"{report.name + ': ' if report.name else ''}per device on {mesh}"
-    mem = Table(title=title, title_justify="left")
+    mem = Table(title=title, **compact)
     mem.add_column("memory")
-    mem.add_column("bytes", justify="right")
+    mem.add_column("bytes", justify="right", no_wrap=True)
     rows = [
         ("parameters (shards)", report.param_bytes),
         ("  of which padding", report.padding_bytes),
@@ -65,9 +76,9 @@ def report_table(report: PlanReport) -> Any:
     ]
     for label, value in rows:
         mem.add_row(label, human(value))
-    comm = Table(title="communication per step (bytes sent per rank)", title_justify="left")
+    comm = Table(title="communication per step (bytes sent per rank)", **compact)
     for col in ("kind", "axis", "source", "count", "bytes"):
-        comm.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+        comm.add_column(col, justify="right" if col in ("count", "bytes") else "left", no_wrap=True)
     for c in report.comms:
         comm.add_row(c.kind, c.axis, c.source, str(c.count), human(c.bytes))
     return Group(mem, comm)
@@ -76,18 +87,33 @@ def report_table(report: PlanReport) -> Any:
 def comparison_table(
     reports: Sequence[PlanReport], gib: float | None = None, paper: dict[str, float] | None = None
 ) -> Any:
+    """One row per report: memory by part, peak and traffic per step, in :func:`short` bytes.
+
+    Laid out for 80 columns: no cell padding (a space divides the columns), names and
+    numbers never wrap, a mesh wraps between its axes only; ``fits`` says yes or no in words.
+    """
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="per device" + (f" (fits in {gib:g} GiB?)" if gib else ""))
-    table.add_column("strategy", no_wrap=True, min_width=max(len(r.name) for r in reports))
-    table.add_column("mesh")
-    for col in (*PARTS, "peak", "comm/step"):
-        table.add_column(col, justify="right")
+    table = Table(
+        title="per device" + (f" (fits in {gib:g} GiB?)" if gib else ""),
+        title_justify="left",
+        caption=UNIT_NOTE,
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 0),
+    )
+    table.add_column("strategy", no_wrap=True)
+    axes = [f"{a}={s}" for r in reports for a, s in r.mesh.items()]
+    table.add_column("mesh", min_width=max(map(len, axes), default=4))
+    for col in ("params", "grads", "optim", "gathered", "activ", "peak", "comm"):
+        table.add_column(col, justify="right", no_wrap=True)
     if gib is not None:
-        table.add_column("fits")
+        table.add_column("fits", no_wrap=True)
     for r in reports:
         p = parts(r)
-        row = [r.name, " x ".join(f"{a}={s}" for a, s in r.mesh.items())]
+        row = [r.name, " ".join(f"{a}={s}" for a, s in r.mesh.items())]
         row += [short(p[k]) for k in PARTS] + [short(r.peak_bytes), short(r.comm_bytes())]
         if gib is not None:
             row.append("yes" if r.fits(gib) else "no")
@@ -121,11 +147,25 @@ def paper_table(reports: Sequence[PlanReport], paper: dict[str, float]) -> Any:
     return table
 
 
-def to_text(renderable: Any, width: int = 110) -> str:
+def terminal_width() -> int:
+    """The width ``rich`` gives a console here: the terminal's, else ``COLUMNS``, else 80
+    (a pipe, a file); in Jupyter, rich's default for notebooks."""
+    from rich.console import Console
+
+    return Console().width
+
+
+def to_text(renderable: Any, width: int | None = None) -> str:
+    """``renderable`` as plain text (no colour), ``width`` columns wide (default: the
+    terminal's, see :func:`terminal_width`)."""
     from rich.console import Console
 
     console = Console(
-        file=io.StringIO(), width=width, color_system=None, record=True, force_jupyter=False
+        file=io.StringIO(),
+        width=width or terminal_width(),
+        color_system=None,
+        record=True,
+        force_jupyter=False,
     )
     console.print(renderable)
     return console.export_text()
