@@ -1,7 +1,7 @@
 """The notebooks run, and the outputs committed with them are fresh.
 
 Each notebook is executed once, in a fresh kernel (this is the suite's only execution of
-them: pytest no longer collects them with nbmake). An error in any cell fails the test, and
+them: pytest does not collect notebooks itself). An error in any cell fails the test, and
 so do committed outputs that differ from the execution's (beyond the rounding of printed
 numbers and the bytes of images): the docs site shows the committed outputs, so they must be
 what the notebook prints today. Refresh them with ``python -m tests._notebooks``.
