@@ -24,9 +24,11 @@ class Pools:
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         pool = _POOLS.get(world_size)
         if pool is None or pool.broken:
-            # Only one pool at a time: 2 cores cannot afford idle gloo workers of other sizes.
-            for size in list(_POOLS):
-                _POOLS.pop(size).close()
+            # One pool per world size, kept for the session: an idle worker blocks on its pipe
+            # and costs memory, not CPU, while restarting a pool costs seconds of imports and
+            # rendezvous each time a test switches between 2 and 4 ranks.
+            if pool is not None:
+                _POOLS.pop(world_size).close()
             pool = _POOLS[world_size] = ProcessPool(world_size, device_type="cpu", timeout=240)
         return pool.run(fn, *args, **kwargs)
 
