@@ -62,6 +62,8 @@ def outputs(nb: Any) -> list[list[tuple[str, str, Any]]]:
             continue
         raw: list[tuple[str, str, Any]] = []
         for o in cell.get("outputs", []):
+            if o.output_type == "stream" and o.name == "stderr":
+                continue  # warnings name the machine's paths and packages: not content
             if o.output_type == "stream":
                 if raw and raw[-1][:2] == ("stream", o.name):
                     raw[-1] = ("stream", o.name, raw[-1][2] + _text(o.text))
@@ -108,6 +110,12 @@ def refresh(names: list[str]) -> None:
         nb = execute(path)
         for cell in nb.cells:
             cell.get("metadata", {}).pop("execution", None)  # timestamps: not content
+            if "outputs" in cell:  # stderr (warnings with this machine's paths): not content
+                cell.outputs = [
+                    o
+                    for o in cell.outputs
+                    if not (o.output_type == "stream" and o.name == "stderr")
+                ]
         nbformat.write(nb, path)
         print("refreshed", path.name)
 
