@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dist.mesh import axis_names, axis_sizes, rank_at
-from .dist.simulate import on_rank, per_coordinate
+from .distributed.mesh import axis_names, axis_sizes, rank_at
+from .distributed.simulate import on_rank, per_coordinate
+from .resharding import gather, reshard
 from .sharded import Sharded, _layout, _sizes_key, unpad
-from .sharding import gather, reshard
 from .spec import Layout, P
 
 

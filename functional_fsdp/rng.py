@@ -30,8 +30,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .dist.mesh import _simulation_paused, axis_sizes, coordinate_of, local_coordinate
-from .dist.simulate import is_simulated
+from .distributed.mesh import _simulation_paused, axis_sizes, coordinate_of, local_coordinate
+from .distributed.simulate import is_simulated
 
 _MASK = (1 << 64) - 1
 

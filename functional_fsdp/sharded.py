@@ -23,7 +23,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import NAMESPACE
-from .dist.mesh import axis_sizes
+from .distributed.mesh import axis_sizes
 from .spec import Layout, P, format_mesh
 
 
@@ -129,7 +129,7 @@ class Sharded:
         """The layout as a small HTML table (Jupyter shows it): which mesh coordinate owns
         which block, with padding, as :func:`functional_fsdp.visualize` draws it. Reads only
         the layout: no process group, no communication."""
-        from .debug import to_html
+        from .display import to_html
 
         return to_html(self)
 

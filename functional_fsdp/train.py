@@ -22,9 +22,9 @@ import torch.distributed as dist
 from . import rng as random
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
-from .dist import collectives as C
-from .dist.mesh import axis_sizes, check_mesh, coordinate_of
-from .dist.simulate import check_alive, is_simulated, per_coordinate
+from .distributed import collectives as C
+from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
+from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
@@ -39,8 +39,8 @@ from .optim.transforms import (
     learning_rate_fn,
     report_fn,
 )
+from .resharding import reshard, resolve_specs
 from .sharded import Sharded
-from .sharding import reshard, resolve_specs
 from .spec import P, format_mesh
 
 Batch = Any

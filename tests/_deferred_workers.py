@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import functional_fsdp as ff
-from functional_fsdp.fsdp.init import init_sharded
+from functional_fsdp.fsdp.materialize import init_sharded
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
 from functional_fsdp.tp.plan import tensor_parallel
 from functional_fsdp.train import local_batch

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import functional_fsdp as ff
-from functional_fsdp.dist import collectives as C
-from functional_fsdp.dist.launch import _free_port
+from functional_fsdp.distributed import collectives as C
+from functional_fsdp.launcher import _free_port
 from functional_fsdp.models import GPT, lm_loss
 
 from ._fsdp_workers import CFG

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import functional_fsdp as ff
 from functional_fsdp.checkpoint import CheckpointError, CheckpointManager, _atomic
-from functional_fsdp.dist.launch import _free_port
+from functional_fsdp.launcher import _free_port
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
 from ._fsdp_workers import CFG

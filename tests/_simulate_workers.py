@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import functional_fsdp as ff
-from functional_fsdp.dist.mesh import coordinate_of, local_coordinate, mesh_grid, rank_at
+from functional_fsdp.distributed.mesh import coordinate_of, local_coordinate, mesh_grid, rank_at
 from functional_fsdp.models import GPT, lm_loss
 
 from ._fsdp_workers import CFG

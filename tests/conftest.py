@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from functional_fsdp.dist.launch import ProcessPool
+from functional_fsdp.launcher import ProcessPool
 
 _POOLS: dict[int, ProcessPool] = {}
 

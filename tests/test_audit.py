@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import functional_fsdp as ff
-from functional_fsdp.dist import mesh as M
-from functional_fsdp.dist.launch import ProcessPool
+from functional_fsdp.distributed import mesh as M
+from functional_fsdp.launcher import ProcessPool
 
 from . import _audit_workers as A
 

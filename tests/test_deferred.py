@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import functional_fsdp as ff
-from functional_fsdp.fsdp.init import init_sharded, init_steps
+from functional_fsdp.fsdp.materialize import init_sharded, init_steps
 
 from . import _deferred_workers as W
 

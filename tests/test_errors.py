@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import functional_fsdp as ff
-from functional_fsdp.sharding import resolve_specs
+from functional_fsdp.resharding import resolve_specs
 
 P = ff.P
 

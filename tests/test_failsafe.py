@@ -243,7 +243,7 @@ def test_a_rank_failing_inside_a_step_ends_the_others_with_a_named_error():
 
 
 def test_init_distributed_timeout_errors(monkeypatch):
-    from functional_fsdp.dist.mesh import _timeout
+    from functional_fsdp.distributed.mesh import _timeout
 
     with pytest.raises(ValueError, match=r"timeout must be positive, got -1 s"):
         ff.init_distributed(timeout=-1)
@@ -317,7 +317,7 @@ def test_debug_mode_names_the_parameters_of_fsdp_buckets_that_differ(pools):
 
 
 def test_debug_mode_is_off_by_default_and_scoped():
-    from functional_fsdp.dist import collectives as C
+    from functional_fsdp.distributed import collectives as C
 
     assert C._CHECK is False
     with ff.check_collectives():

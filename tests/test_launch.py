@@ -20,8 +20,8 @@ import pytest
 import torch.distributed as dist
 
 import functional_fsdp as ff
-from functional_fsdp.dist import launch as launch_module
-from functional_fsdp.dist.launch import ProcessPool, WorkerError, _Failure
+from functional_fsdp import launcher as launch_module
+from functional_fsdp.launcher import ProcessPool, WorkerError, _Failure
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.multiprocess

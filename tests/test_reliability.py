@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from functional_fsdp.dist.launch import _free_port
+from functional_fsdp.launcher import _free_port
 
 from . import _reliability_workers as W
 

@@ -15,8 +15,8 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 
 import functional_fsdp as ff
-from functional_fsdp.dist.mesh import axis_names, coordinate_of
-from functional_fsdp.dist.simulate import per_coordinate
+from functional_fsdp.distributed.mesh import axis_names, coordinate_of
+from functional_fsdp.distributed.simulate import per_coordinate
 
 P = ff.P
 NT = collections.namedtuple("NT", ["a", "b"])

@@ -12,8 +12,8 @@ import torch.distributed._local_tensor as lt
 from torch.distributed.device_mesh import DeviceMesh
 
 import functional_fsdp as ff
-from functional_fsdp.dist import _local_mode
-from functional_fsdp.dist.mesh import coordinate_of, mesh_grid, rank_at
+from functional_fsdp.distributed import _local_mode
+from functional_fsdp.distributed.mesh import coordinate_of, mesh_grid, rank_at
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan
 
 from . import _simulate_workers as W

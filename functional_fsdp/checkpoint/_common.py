@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dist.mesh import axis_sizes
-from ..dist.simulate import is_simulated
+from ..distributed.mesh import axis_sizes
+from ..distributed.simulate import is_simulated
 from ..fsdp.plan import unit_of as unit_of
 from ..sharded import Sharded
 from ..spec import format_mesh

@@ -29,10 +29,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..dist.mesh import axis_names
-from ..dist.simulate import is_simulated
+from ..distributed.mesh import axis_names
+from ..distributed.simulate import is_simulated
+from ..resharding import gather
 from ..sharded import Sharded
-from ..sharding import gather
 from ._common import (
     DTYPE_NAMES,
     Rename,
@@ -244,7 +244,7 @@ def _agree(mesh: Any, failed: bool) -> bool:
     """Whether any rank failed (a tiny all-reduce; also keeps ranks from returning early)."""
     if is_simulated():
         return failed
-    from ..dist.collectives import all_reduce
+    from ..distributed.collectives import all_reduce
 
     flag = torch.tensor([1.0 if failed else 0.0], device=mesh.device_type)
     return bool(all_reduce(flag, mesh, axis_names(mesh)).item() > 0)

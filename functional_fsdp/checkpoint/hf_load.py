@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 import torch
 
 from .._partition import mark_frozen
-from ..dist.mesh import axis_sizes
-from ..dist.simulate import per_coordinate
+from ..distributed.mesh import axis_sizes
+from ..distributed.simulate import per_coordinate
 from ..sharded import Sharded
 from ..spec import Layout
 from ._common import (

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ..resharding import gather
 from ..sharded import Sharded
-from ..sharding import gather
 from ._common import (
     check_params,
     first_value,

@@ -37,10 +37,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._partition import mark_frozen
-from ..dist.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
-from ..dist.simulate import is_shapes_only
+from ..distributed.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
+from ..distributed.simulate import is_shapes_only
+from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
-from ..sharding import Specs, resolve_specs, shard
 from ..spec import P, did_you_mean, format_mesh
 from . import runtime
 from .plan import Plan, make_plan
@@ -204,7 +204,7 @@ class FSDP:
                         f"params, buffers = ff.init_sharded(sharded_model) and pass "
                         f"buffers=buffers to apply."
                     )
-                from .init import init_sharded
+                from .materialize import init_sharded
 
                 return init_sharded(self)[0]
             params = {n: p.detach() for n, p in self.module.named_parameters()}

@@ -31,8 +31,8 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..dist import collectives as C
-from ..dist.simulate import is_simulated
+from ..distributed import collectives as C
+from ..distributed.simulate import is_simulated
 from .functions import (
     Checkpoint,
     PostBackward,

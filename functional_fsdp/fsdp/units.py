@@ -9,7 +9,7 @@
 * :class:`InFlight`: the reduce-scatters left in flight, finished by the next unit's backward,
   by the fence, or at the end of the backward pass at the latest.
 
-Communication goes through :mod:`functional_fsdp.dist.collectives`; everything here runs on
+Communication goes through :mod:`functional_fsdp.distributed.collectives`; everything here runs on
 plain tensors below any ``torch.func`` level.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..dist import collectives as C
+from ..distributed import collectives as C
 from .memory import EventKind, MemoryTracker, Phase
 from .plan import Piece, Round, UnitPlan, gather_dtype
 from .policy import Policy

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..dist import collectives as C
-from ..dist.mesh import axis_sizes
-from ..dist.simulate import is_simulated
+from ..distributed import collectives as C
+from ..distributed.mesh import axis_sizes
+from ..distributed.simulate import is_simulated
+from ..resharding import _cut_block, reshard
 from ..sharded import Sharded
-from ..sharding import _cut_block, reshard
 from ..spec import Layout, P
 from .plan import UnitPlan, gather_dtype, plan_rounds
 from .policy import Policy

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._tree import dotted
-from ..dist import collectives as C
-from ..dist.mesh import axis_names, coordinate_of
-from ..dist.simulate import is_simulated, per_coordinate
+from ..distributed import collectives as C
+from ..distributed.mesh import axis_names, coordinate_of
+from ..distributed.simulate import is_simulated, per_coordinate
 from ..sharded import Sharded, unpad
 from ..spec import Layout
 from ._tree import check_real, map_foreach

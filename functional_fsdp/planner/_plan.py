@@ -38,7 +38,7 @@ from ..fsdp.plan import Plan, gather_dtype, make_plan, plan_rounds
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import param_dtype_of
 from ..optim.transforms import GradientTransformation, adamw, sgd
-from ..sharding import Specs, resolve_specs
+from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
 from ..tp.styles import Style
 from . import _activations
@@ -278,7 +278,7 @@ def _sizes_of(mesh: Any) -> dict[str, int]:
     if isinstance(mesh, Mapping):
         sizes = {str(a): s for a, s in mesh.items()}
     elif hasattr(mesh, "mesh_dim_names"):
-        from ..dist.mesh import axis_sizes
+        from ..distributed.mesh import axis_sizes
 
         sizes = axis_sizes(mesh)
     else:
@@ -357,7 +357,7 @@ def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: t
 
 
 def _record(kind: str, n: int, nbytes: int) -> int:
-    """Bytes :func:`functional_fsdp.dist.collectives._record` books for one collective."""
+    """Bytes :func:`functional_fsdp.distributed.collectives._record` books for one collective."""
     if kind == "all_gather":
         return nbytes * n * (n - 1) // n
     if kind == "reduce_scatter":

@@ -16,7 +16,7 @@ The sequence-parallel pair is plain :func:`functional_fsdp.all_gather` and
 Per-rank slices and vocabulary offsets come from the rank's mesh coordinate as Python ints
 on real processes (no index tensor, nothing copied to the device per call). On a simulated
 mesh, where one process holds every rank, they are per-rank tensors built on the value's
-device with :func:`~functional_fsdp.dist.simulate.per_coordinate`.
+device with :func:`~functional_fsdp.distributed.simulate.per_coordinate`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..dist import collectives as C
-from ..dist.mesh import axis_sizes, local_coordinate
-from ..dist.simulate import is_simulated, per_coordinate
+from ..distributed import collectives as C
+from ..distributed.mesh import axis_sizes, local_coordinate
+from ..distributed.simulate import is_simulated, per_coordinate
 from ..spec import format_mesh
 
 

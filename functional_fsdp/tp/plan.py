@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..dist.mesh import axis_names, axis_sizes
+from ..distributed.mesh import axis_names, axis_sizes
 from ..spec import P, format_mesh
 from .styles import (
     ColwiseParallel,

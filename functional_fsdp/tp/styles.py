@@ -44,8 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
 from .. import rng
-from ..dist import collectives as C
-from ..dist.simulate import per_coordinate
+from ..distributed import collectives as C
+from ..distributed.simulate import per_coordinate
 from ..spec import P
 from .ops import (
     _local_ids,

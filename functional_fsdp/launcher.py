@@ -35,7 +35,7 @@ from typing import IO, Any, NamedTuple
 import cloudpickle
 import torch
 
-from .mesh import rank_device
+from .distributed.mesh import rank_device
 
 _GRACE_S = 3.0
 """After one rank fails, how long the others get to answer (they are often stuck in a
@@ -85,7 +85,7 @@ from multiprocessing.connection import Connection
 conn = Connection({fd})
 config = pickle.loads(conn.recv_bytes())
 sys.path[:] = config["sys_path"]
-from functional_fsdp.dist.launch import _worker_main
+from functional_fsdp.launcher import _worker_main
 _worker_main(conn, config)
 """
 
@@ -103,7 +103,7 @@ def _worker_main(conn: Connection, config: dict[str, Any]) -> None:
     """A worker's life: join the process group, serve calls, tear down cleanly."""
     import torch.distributed as dist
 
-    from .mesh import init_distributed
+    from .distributed.mesh import init_distributed
 
     torch.set_num_threads(config["threads"])
     timeout = config["collective_timeout"]
@@ -333,7 +333,7 @@ class _Failure(NamedTuple):
 class ProcessPool:
     """``world_size`` worker processes in one gloo (or NCCL) process group, reused across calls.
 
-    Each rank gets its own device as under ``torchrun`` (see :func:`~functional_fsdp.dist.mesh.rank_device`):
+    Each rank gets its own device as under ``torchrun`` (see :func:`~functional_fsdp.distributed.mesh.rank_device`):
     GPU ``rank`` with NCCL when CUDA is visible, the CPU with gloo otherwise. Workers' output
     is printed with their rank (``[rank 1] ...``) before :meth:`run` returns.
 

@@ -252,7 +252,14 @@ def _free_port() -> int:
 
 
 # What init_distributed writes into os.environ outside torchrun (see make_mesh).
-_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
 
 
 @contextlib.contextmanager

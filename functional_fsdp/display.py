@@ -17,7 +17,7 @@ from typing import Any
 
 import optree
 
-from .dist.mesh import axis_sizes
+from .distributed.mesh import axis_sizes
 from .sharded import Sharded
 from .spec import Layout, format_mesh
 
@@ -66,7 +66,7 @@ REPLICATED_16 = "white"
 _TO_16 = {c: PALETTE_16[i % len(PALETTE_16)] for i, c in enumerate(PALETTE)} | {
     REPLICATED: REPLICATED_16
 }
-_ORDERED = "functional_fsdp.debug"
+_ORDERED = "functional_fsdp.display"
 MAX_BLOCKS = 16  # blocks shown per row or column; the middle ones are elided beyond that
 
 

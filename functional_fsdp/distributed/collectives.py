@@ -199,7 +199,7 @@ class CollectiveError(dist.DistError):
         >>> raise CollectiveError("all_gather over mesh axis 'dp' ... failed")
         Traceback (most recent call last):
         ...
-        functional_fsdp.dist.collectives.CollectiveError: all_gather over mesh axis 'dp' ... failed
+        functional_fsdp.distributed.collectives.CollectiveError: all_gather over mesh axis 'dp' ... failed
     """
 
 

@@ -42,9 +42,9 @@ from torch.utils import swap_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._partition import mark_frozen
-from ..dist.simulate import is_simulated
+from ..distributed.simulate import is_simulated
+from ..resharding import shard
 from ..sharded import Sharded
-from ..sharding import shard
 
 if TYPE_CHECKING:
     from .api import FSDP
@@ -478,7 +478,7 @@ def init_sharded(
 
     Example:
         >>> import torch, functional_fsdp as ff
-        >>> from functional_fsdp.fsdp.init import init_sharded
+        >>> from functional_fsdp.fsdp.materialize import init_sharded
         >>> _ = torch.manual_seed(0)
         >>> eager = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
         >>> _ = torch.manual_seed(0)

@@ -16,9 +16,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
-from .dist import collectives as C
-from .dist.mesh import axis_names, axis_sizes, check_mesh, local_coordinate, rank_at
-from .dist.simulate import (
+from .distributed import collectives as C
+from .distributed.mesh import axis_names, axis_sizes, check_mesh, local_coordinate, rank_at
+from .distributed.simulate import (
     check_alive,
     is_shapes_only,
     is_simulated,

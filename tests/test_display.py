@@ -22,12 +22,12 @@ import torch.distributed as dist
 from rich.console import Console
 
 import functional_fsdp as ff
-from functional_fsdp.debug import PALETTE, coordinate_color
+from functional_fsdp.display import PALETTE, coordinate_color
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 from functional_fsdp.planner._render import PARTS, parts
 from functional_fsdp.spec import format_mesh
 
-from . import _debug_workers as W
+from . import _display_workers as W
 from ._hf import tiny_llama_config
 
 matplotlib = pytest.importorskip("matplotlib")
