@@ -39,6 +39,7 @@ from .fsdp.memory import track_memory as track_memory
 from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
+from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
 from .launcher import ProcessPool as ProcessPool
 from .launcher import WorkerError as WorkerError
 from .launcher import launch as launch
@@ -128,6 +129,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FSDP",
     "ApplyIfFiniteState",
+    "AutogradFallbackWarning",
     "Axis",
     "CollectiveError",
     "ColwiseParallel",

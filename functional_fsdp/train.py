@@ -1,7 +1,8 @@
 """``TrainState`` and a pure ``train_step``.
 
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
-built on ``torch.func.grad_and_value``. The gradient rule lives in :meth:`FSDP.apply` (each
+built on ``torch.func.grad_and_value`` (or plain autograd: :mod:`functional_fsdp.grad_engine`).
+The gradient rule lives in :meth:`FSDP.apply` (each
 unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
 global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
 """
@@ -28,6 +29,7 @@ from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
+from .grad_engine import Differentiator, Engine, check_engine
 from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
@@ -620,6 +622,7 @@ def train_step(
     learning_rate: float | Schedule | None = None,
     donate: bool = False,
     randomness: Literal["per_rank", "global_batch"] = "per_rank",
+    engine: Engine = "auto",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -674,6 +677,20 @@ def train_step(
             run draws the masks one process draws on the global batch, whatever the number
             of data ranks, at the price of drawing the global batch's random numbers on
             every rank. Real processes, data-parallel meshes and ``accumulate=1`` only.
+        engine: what computes the gradients; the step is pure and its numbers the same
+            with each. ``"func"``: ``torch.func.grad_and_value``, so the step itself can be
+            transformed (``vmap``, ``jvp``, ``grad`` of a step). ``"autograd"``: plain
+            autograd over leaf copies of the trainable shards, for model code ``torch.func``
+            cannot transform (custom ``autograd.Function``\\ s without ``setup_context``, as
+            in Bloom; ``requires_grad_()`` in the forward, as the hooks of Hugging Face's
+            ``enable_input_require_grads`` and peft's ``prepare_model_for_kbit_training``;
+            Hugging Face gradient checkpointing); the step then cannot be transformed by
+            ``torch.func``. ``"auto"`` (default): autograd if the module shows a reason
+            (a forward hook calling ``requires_grad_``, gradient checkpointing enabled on a
+            module in training mode), else ``torch.func``, falling back to autograd for good
+            when ``torch.func`` raises on code it cannot transform (the failed attempt's
+            forward is wasted once); either way it warns once
+            (:class:`~functional_fsdp.grad_engine.AutogradFallbackWarning`).
 
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
@@ -737,6 +754,8 @@ def train_step(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
             "(needed for batch='global' and accumulate_mode='local')."
         )
+    check_engine(engine)
+    differentiate = Differentiator(engine, None if model is None else model.module)
 
     takes_finite = isinstance(optimizer, GradientTransformationExtraArgs)
     rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
@@ -769,7 +788,7 @@ def train_step(
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
             for i, mb in enumerate(micro):
                 with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = torch.func.grad_and_value(checked)(train, mb)
+                    g, loss = differentiate.grad_and_value(checked)(train, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:
@@ -805,7 +824,7 @@ def train_step(
         with scope:
             for i, mb in enumerate(micro):
                 with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = torch.func.grad_and_value(checked)(wrt, mb)
+                    g, loss = differentiate.grad_and_value(checked)(wrt, mb)
                 total = g if total is None else add(total, g)
                 loss_sum = loss_sum + loss.detach()
         if len(micro) > 1:

@@ -38,6 +38,12 @@ class UnitGather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.call = inputs[0]
+        # A frozen shard's gathered value is a constant: no gradient is computed for it, and
+        # model code may write into it without autograd (peft's parametrization of a frozen
+        # weight: ``set_`` on it, which a differentiable view of this node would refuse).
+        frozen = [o for s, o in zip(inputs[1:], output) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
         ctx.dtypes = [t.dtype for t in inputs[1:]]
         ctx.devices = [t.device for t in inputs[1:]]  # the host, for offloaded shards
 

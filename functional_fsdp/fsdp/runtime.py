@@ -209,6 +209,7 @@ def run(
             unit.shards = [next(fenced) if s.requires_grad else s for s in unit.shards]
 
     copies = copy_modules(modules)
+    _recompute_with_own_params(copies)
     slots = {
         name: [[_slot(copies, a) for a in aliases] for aliases in up.aliases]
         for name, up in plan.units.items()
@@ -358,6 +359,42 @@ def _checkpointed(
 
     replay = Replay(fn, lambda: run(list(params), args, kwargs))
     return replay.output(Checkpoint.apply(replay, *leaves))
+
+
+def _recompute_with_own_params(copies: dict[str, nn.Module]) -> None:
+    """Hugging Face gradient checkpointing (``self._gradient_checkpointing_func(partial(
+    forward, self), ...)``, i.e. ``torch.utils.checkpoint``) recomputes a layer in backward,
+    when the copies hold placeholders again: on the copies (never on the user's module), its
+    checkpoint function runs the recompute with the parameters the layer had in forward."""
+    for c in {id(c): c for c in copies.values()}.values():
+        func = c.__dict__.get("_gradient_checkpointing_func")
+        if callable(func):
+            c.__dict__["_gradient_checkpointing_func"] = functools.partial(
+                _checkpoint_with_params, func, weakref.ref(c)
+            )
+
+
+def _checkpoint_with_params(
+    checkpoint: Callable[..., Any],
+    owner: weakref.ReferenceType[nn.Module],
+    function: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    module = owner()
+    held = [(m, dict(m._parameters)) for m in module.modules()] if module is not None else []
+
+    def with_params(*a: Any, **kw: Any) -> Any:
+        now = [(m, dict(m._parameters)) for m, _ in held]
+        for m, params in held:
+            m._parameters.update(params)
+        try:
+            return function(*a, **kw)
+        finally:
+            for m, params in now:
+                m._parameters.update(params)
+
+    return checkpoint(with_params, *args, **kwargs)
 
 
 def _set_buffers(
