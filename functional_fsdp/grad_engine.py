@@ -153,6 +153,20 @@ class Differentiator:
                     self._notice(reason)
             if self.chosen == "autograd":
                 return autograd_grad_and_value(fn, wrt, batch)
+            if self.engine == "func":
+                try:
+                    return torch.func.grad_and_value(fn)(wrt, batch)
+                except RuntimeError as error:
+                    reason = _cannot_transform(error)
+                    if reason is None:
+                        raise
+                    raise RuntimeError(
+                        f"train_step(engine='func'): torch.func cannot differentiate this "
+                        f"model ({reason}). Use engine='autograd' (the same pure step and "
+                        f"gradients, computed with plain autograd; the step then cannot be "
+                        f"transformed by torch.func), or engine='auto' to choose by itself. "
+                        f"torch.func said: {error}"
+                    ) from error
             if self.chosen == "func":
                 return torch.func.grad_and_value(fn)(wrt, batch)
             state = random.get_state()  # the retry draws what the first attempt drew

@@ -291,6 +291,22 @@ def _step_with_batch(ctx: Ctx, n: int, **kwargs: Any) -> Any:
     return step(state, _batch(n))
 
 
+def _func_engine_on_a_hook(ctx: Ctx) -> Any:
+    """``engine="func"`` on a module whose forward hook calls ``requires_grad_``."""
+    model = mlp()
+
+    def make_inputs_require_grad(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.requires_grad_(True)
+
+    model[0].register_forward_hook(make_inputs_require_grad)
+    sm = ff.fsdp(model, ctx.mesh)
+    opt = ff.sgd(0.1)
+    step = ff.train_step(
+        lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm, engine="func"
+    )
+    return step(ff.TrainState.create(sm.shard(), opt), _batch(4))
+
+
 def _train_bool_leaf(ctx: Ctx) -> Any:
     sm = ff.fsdp(_Masked(), ctx.mesh)
     params, opt = sm.shard(), ff.sgd(0.1)
@@ -910,6 +926,30 @@ CASES: list[Case] = [
             "accumulate=1 (the default) computes the step on the whole batch",
         ),
         lambda ctx: _step(ctx, accumulate=0),
+    ),
+    Case(
+        "engine_unknown",
+        "train_step(engine='jax')",
+        ValueError,
+        (
+            "train_step: engine must be 'auto', 'func' or 'autograd', got 'jax'",
+            "'autograd' with plain autograd (for model code torch.func cannot transform",
+            "'auto' (the default) uses torch.func where it can",
+        ),
+        lambda ctx: _step(ctx, engine="jax"),
+    ),
+    Case(
+        "engine_func_cannot_transform",
+        "train_step(engine='func') on a module whose forward hook calls requires_grad_()",
+        RuntimeError,
+        (
+            "train_step(engine='func'): torch.func cannot differentiate this model "
+            "(Tensor.requires_grad_() inside the forward)",
+            "Use engine='autograd' (the same pure step and gradients",
+            "or engine='auto' to choose by itself",
+        ),
+        _func_engine_on_a_hook,
+        real=True,
     ),
     Case(
         "batch_empty",

@@ -34,17 +34,18 @@ GRAD_TOL, STEP_TOL = 1e-6, 1e-5
 def test_every_strategy_trains_the_same_under_autograd(pools):
     # ZeRO-3 (accumulation both ways, donation, frozen), SHARD_GRAD_OP, DDP, ZeRO-1/2 and TP,
     # with dropout drawn from the state's key, clipping and apply_if_finite.
+    # The library's GPT runs the same kernels in the same order under both: bitwise.
     result = pools.run(2, W.engines_agree, list(W.CASES))[0]
     for name, r in result.items():
-        assert r["loss_diff"] < STEP_TOL, (name, r)
-        assert r["norm_diff"] < STEP_TOL, (name, r)
-        assert r["param_diff"] < STEP_TOL, (name, r)
-    assert result["zero3"]["moved"] == 0.0  # the same engine twice: bitwise
+        assert r["losses_equal"] and r["norms_equal"] and r["params_equal"], (name, r)
+        assert r["moved"] > 1e-3, (name, r)  # the parameters trained
+        assert r["comms_equal"], (name, r)  # the same collectives, the same bytes
 
 
 @pytest.mark.multiprocess
 def test_gradients_equal_torch_func_on_gpt_and_llama(pools):
     for rank in pools.run(2, W.grads_gpt_and_llama):
+        assert rank["gpt"]["bitwise"], rank
         for name, r in rank.items():
             assert r["loss_diff"] < STEP_TOL, (name, r)
             assert r["grad_diff"] <= GRAD_TOL * r["grad_max"], (name, r)
@@ -91,7 +92,13 @@ def test_engine_func_raises_where_auto_falls_back_once():
             return lm_loss(f.apply(p, b[:, :-1]).logits, b[:, 1:])
 
         state = ff.TrainState.create(f.shard(), opt)
-        with pytest.raises(RuntimeError, match="setup_context"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^train_step\(engine='func'\): torch\.func cannot differentiate this model "
+            r"\(an autograd\.Function without setup_context\)\. Use engine='autograd' \(the "
+            r"same pure step and gradients, computed with plain autograd; the step then cannot "
+            r"be transformed by torch\.func\), or engine='auto' to choose by itself\. ",
+        ):
             ff.train_step(loss_fn, opt, model=f, engine="func")(state, batch)
         step = ff.train_step(loss_fn, opt, model=f)
         with pytest.warns(
