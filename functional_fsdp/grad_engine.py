@@ -120,10 +120,10 @@ class Differentiator:
     """The gradient engine of one ``train_step``: ``grad_and_value(fn)(wrt, batch)`` as
     ``torch.func.grad_and_value`` returns it, computed by the chosen engine.
 
-    With ``engine="auto"`` the choice is made at the first call: plain autograd if
-    :func:`reason_up_front` finds a reason, else ``torch.func``, falling back to autograd
-    (and keeping it) when ``torch.func`` raises one of the errors of code it cannot transform.
-    Either way the notice is given once.
+    With ``engine="auto"``: plain autograd if :func:`reason_up_front` finds a reason at the
+    first call, else ``torch.func``, falling back to autograd (and keeping it) whenever
+    ``torch.func`` raises one of the errors of code it cannot transform (a model changed
+    between steps, e.g. checkpointing enabled later, too). The notice is given once.
     """
 
     def __init__(self, engine: Engine, module: Any = None) -> None:
@@ -140,17 +140,19 @@ class Differentiator:
             f"be transformed by torch.func. Pass train_step(..., engine='autograd') to silence "
             f"this notice.",
             AutogradFallbackWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of step(state, batch)
         )
 
     def grad_and_value(
         self, fn: Callable[[Any, Any], torch.Tensor]
     ) -> Callable[[Any, Any], tuple[Any, torch.Tensor]]:
         def run(wrt: Any, batch: Any) -> tuple[Any, torch.Tensor]:
-            if self.chosen is None:
+            if self.chosen is None:  # "auto", first call: a look at the module
                 reason = reason_up_front(self.module)
                 if reason is not None:
                     self._notice(reason)
+                else:
+                    self.chosen = "func"
             if self.chosen == "autograd":
                 return autograd_grad_and_value(fn, wrt, batch)
             if self.engine == "func":
@@ -167,11 +169,10 @@ class Differentiator:
                         f"transformed by torch.func), or engine='auto' to choose by itself. "
                         f"torch.func said: {error}"
                     ) from error
-            if self.chosen == "func":
-                return torch.func.grad_and_value(fn)(wrt, batch)
+            # "auto" on torch.func so far: until it meets code it cannot transform
             state = random.get_state()  # the retry draws what the first attempt drew
             try:
-                out = torch.func.grad_and_value(fn)(wrt, batch)
+                return torch.func.grad_and_value(fn)(wrt, batch)
             except RuntimeError as error:
                 reason = _cannot_transform(error)
                 if reason is None:
@@ -179,8 +180,6 @@ class Differentiator:
                 self._notice(reason)
                 random.set_state(state)
                 return autograd_grad_and_value(fn, wrt, batch)
-            self.chosen = "func"
-            return out
 
         return run
 

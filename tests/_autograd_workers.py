@@ -182,9 +182,11 @@ def _recipe_llama(checkpointing: str) -> nn.Module:
     return with_lora(model)
 
 
-def lora_run(model: nn.Module, engine: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def lora_run(
+    model: nn.Module, engine: str, policy: ff.Policy | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     mesh = ff.make_mesh({"dp": 2})
-    f = ff.fsdp(model, mesh)
+    f = ff.fsdp(model, mesh, policy=policy or ff.Policy())
     opt = ff.adamw(LR, **OPT)
     step = ff.train_step(
         lambda p, b: lm_loss(logits_of(f.apply(p, b[:, :-1])), b[:, 1:]),
@@ -204,18 +206,21 @@ def lora_run(model: nn.Module, engine: str) -> tuple[list[float], dict[str, torc
 
 
 def gradient_checkpointing() -> dict[str, dict[str, Any]]:
-    """The seed recipe with and without checkpointing: losses and LoRA parameters after 2
-    steps against the run without (autograd), and against torch.func without."""
+    """The seed recipe with and without Hugging Face checkpointing: losses and LoRA parameters
+    after 2 steps against the run without (autograd), and against torch.func without."""
     plain = _recipe_llama("none")
     losses, params = lora_run(copy.deepcopy(plain), "autograd")
     f_losses, f_params = lora_run(plain, "func")
     out = {}
-    for kind in ("reentrant", "non_reentrant"):
-        model = _recipe_llama(kind)
+    for kind in ("reentrant", "non_reentrant", "reentrant_in_checkpointed_units"):
+        model = _recipe_llama(kind.removesuffix("_in_checkpointed_units"))
         before = _module_state(model)
+        # Also inside units that the policy checkpoints (Hugging Face's checkpoint runs as
+        # a plain call there: the unit's recompute already recomputes it).
+        policy = ff.Policy(checkpoint=kind.endswith("units"))
 
-        def run(model: nn.Module = model) -> dict[str, Any]:
-            got_losses, got = lora_run(model, "auto")
+        def run(model: nn.Module = model, policy: ff.Policy = policy) -> dict[str, Any]:
+            got_losses, got = lora_run(model, "auto", policy)
             return {
                 "bitwise": got_losses == losses
                 and all(torch.equal(got[k], params[k]) for k in got),

@@ -36,6 +36,7 @@ def test_every_strategy_trains_the_same_under_autograd(pools):
     # with dropout drawn from the state's key, clipping and apply_if_finite.
     # The library's GPT runs the same kernels in the same order under both: bitwise.
     result = pools.run(2, W.engines_agree, list(W.CASES))[0]
+    print(result)  # pytest -s shows the figures README.md quotes
     for name, r in result.items():
         assert r["losses_equal"] and r["norms_equal"] and r["params_equal"], (name, r)
         assert r["moved"] > 1e-3, (name, r)  # the parameters trained
@@ -44,7 +45,9 @@ def test_every_strategy_trains_the_same_under_autograd(pools):
 
 @pytest.mark.multiprocess
 def test_gradients_equal_torch_func_on_gpt_and_llama(pools):
-    for rank in pools.run(2, W.grads_gpt_and_llama):
+    results = pools.run(2, W.grads_gpt_and_llama)
+    print(results)
+    for rank in results:
         assert rank["gpt"]["bitwise"], rank
         for name, r in rank.items():
             assert r["loss_diff"] < STEP_TOL, (name, r)
@@ -55,7 +58,9 @@ def test_gradients_equal_torch_func_on_gpt_and_llama(pools):
 
 @pytest.mark.multiprocess
 def test_models_torch_func_cannot_differentiate_train_and_match_one_process(pools):
-    for rank in pools.run(2, W.cannot_transform):
+    results = pools.run(2, W.cannot_transform)
+    print(results)
+    for rank in results:
         for name, r in rank.items():
             assert "error" not in r, (name, r)
             assert r["loss_diff"] < STEP_TOL, (name, r)
@@ -67,7 +72,9 @@ def test_models_torch_func_cannot_differentiate_train_and_match_one_process(pool
 
 @pytest.mark.multiprocess
 def test_hf_gradient_checkpointing_and_input_hooks_equal_the_run_without(pools):
-    for rank in pools.run(2, W.gradient_checkpointing):
+    results = pools.run(2, W.gradient_checkpointing)
+    print(results)
+    for rank in results:
         for kind, r in rank.items():
             assert r["bitwise"], (kind, r)
             assert r["func_diff"] < STEP_TOL and r["func_loss_diff"] < STEP_TOL, (kind, r)
@@ -134,7 +141,7 @@ def test_a_hook_calling_requires_grad_is_seen_up_front():
 
 def test_autograd_engine_is_pure_and_keeps_other_grads():
     # A tensor outside the state that requires grad keeps its .grad; the state's tensors get
-    # neither .grad nor requires_grad; on a simulated 2 x 2 mesh (HSDP) the numbers match.
+    # neither .grad nor requires_grad; on a simulated 2 x 2 mesh (HSDP) the numbers are equal.
     torch.manual_seed(0)
     cfg = W.CFG.__class__(n_layer=2, vocab_size=61, n_embd=32, n_head=4, block_size=16)
     model = GPT(cfg)
@@ -158,8 +165,8 @@ def test_autograd_engine_is_pure_and_keeps_other_grads():
             assert v.local.grad is None and not v.local.requires_grad
     assert outside.grad is None
     (p_func, l_func), (p_auto, l_auto) = results["func"], results["autograd"]
-    assert abs(l_func - l_auto) < STEP_TOL
-    assert max((p_func[k] - p_auto[k]).abs().max().item() for k in p_func) < STEP_TOL
+    assert l_func == l_auto
+    assert all(torch.equal(p_func[k], p_auto[k]) for k in p_func)  # bitwise, as on gloo
 
 
 def test_bad_engine_names_the_choices():

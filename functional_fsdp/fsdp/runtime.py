@@ -349,9 +349,11 @@ def _checkpointed(
 
     def run(ps: list[torch.Tensor], a: Any, kw: Any) -> Any:
         _set(where, ps)
+        token = _IN_UNIT_CHECKPOINT.set(True)
         try:
             return inner(*a, **kw)
         finally:
+            _IN_UNIT_CHECKPOINT.reset(token)
             _restore(where, up, placeholders)
 
     def fn(*flat: Any) -> Any:  # the recompute: rebuilt from the leaves
@@ -374,6 +376,23 @@ def _recompute_with_own_params(copies: dict[str, nn.Module]) -> None:
             )
 
 
+# Inside a unit that the policy checkpoints (its forward and its recompute): a Hugging Face
+# checkpoint there would only recompute again, and torch's cannot run inside the recompute.
+_IN_UNIT_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "functional_fsdp_in_unit_checkpoint", default=False
+)
+_CHECKPOINT_OPTIONS = frozenset(
+    {
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    }
+)
+
+
 def _checkpoint_with_params(
     checkpoint: Callable[..., Any],
     owner: weakref.ReferenceType[nn.Module],
@@ -381,6 +400,8 @@ def _checkpoint_with_params(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
+    if _IN_UNIT_CHECKPOINT.get():
+        return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_OPTIONS})
     module = owner()
     held = [(m, dict(m._parameters)) for m in module.modules()] if module is not None else []
 
