@@ -155,13 +155,15 @@ class Differentiator:
                     self.chosen = "func"
             if self.chosen == "autograd":
                 return autograd_grad_and_value(fn, wrt, batch)
-            if self.engine == "func":
-                try:
-                    return torch.func.grad_and_value(fn)(wrt, batch)
-                except RuntimeError as error:
-                    reason = _cannot_transform(error)
-                    if reason is None:
-                        raise
+            # torch.func: "func", or "auto" until it meets code it cannot transform
+            state = random.get_state() if self.engine == "auto" else None
+            try:
+                return torch.func.grad_and_value(fn)(wrt, batch)
+            except RuntimeError as error:
+                reason = _cannot_transform(error)
+                if reason is None:
+                    raise
+                if self.engine == "func":
                     raise RuntimeError(
                         f"train_step(engine='func'): torch.func cannot differentiate this "
                         f"model ({reason}). Use engine='autograd' (the same pure step and "
@@ -169,16 +171,8 @@ class Differentiator:
                         f"transformed by torch.func), or engine='auto' to choose by itself. "
                         f"torch.func said: {error}"
                     ) from error
-            # "auto" on torch.func so far: until it meets code it cannot transform
-            state = random.get_state()  # the retry draws what the first attempt drew
-            try:
-                return torch.func.grad_and_value(fn)(wrt, batch)
-            except RuntimeError as error:
-                reason = _cannot_transform(error)
-                if reason is None:
-                    raise
                 self._notice(reason)
-                random.set_state(state)
+                random.set_state(state)  # the retry draws what the first attempt drew
                 return autograd_grad_and_value(fn, wrt, batch)
 
         return run

@@ -88,10 +88,11 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def engines_agree(names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per case: the autograd engine's losses, norms and parameters against torch.func's."""
+def engines_agree(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per case (default: all): the autograd engine's losses, norms, parameters and
+    collectives against torch.func's."""
     out = {}
-    for name in names:
+    for name in names or list(CASES):
         axes, how, kwargs = CASES[name]
         f_losses, f_norms, f_params, moved, f_comms = gpt_run(axes, how, kwargs, "func")
         a_losses, a_norms, a_params, _, a_comms = gpt_run(axes, how, kwargs, "autograd")

@@ -14,6 +14,7 @@ and off), the runs are bitwise equal.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,14 +31,21 @@ pytest.importorskip("peft")
 GRAD_TOL, STEP_TOL = 1e-6, 1e-5
 
 
+def _measured(pools, fn) -> Iterator[tuple[str, dict]]:
+    """``fn`` on 2 gloo ranks: prints what it measured (``pytest -s``; README.md quotes it)
+    and yields ``(model or case, result)`` for every rank."""
+    results = pools.run(2, fn)
+    print(results)
+    for rank in results:
+        yield from rank.items()
+
+
 @pytest.mark.multiprocess
 def test_every_strategy_trains_the_same_under_autograd(pools):
-    # ZeRO-3 (accumulation both ways, donation, frozen), SHARD_GRAD_OP, DDP, ZeRO-1/2 and TP,
-    # with dropout drawn from the state's key, clipping and apply_if_finite.
+    # ZeRO-3 (accumulation both ways, donation, frozen), DDP, ZeRO-1/2 and TP, with dropout
+    # drawn from the state's key, clipping and apply_if_finite (HSDP: one process, below).
     # The library's GPT runs the same kernels in the same order under both: bitwise.
-    result = pools.run(2, W.engines_agree, list(W.CASES))[0]
-    print(result)  # pytest -s shows the figures README.md quotes
-    for name, r in result.items():
+    for name, r in _measured(pools, W.engines_agree):
         assert r["losses_equal"] and r["norms_equal"] and r["params_equal"], (name, r)
         assert r["moved"] > 1e-3, (name, r)  # the parameters trained
         assert r["comms_equal"], (name, r)  # the same collectives, the same bytes
@@ -45,42 +53,33 @@ def test_every_strategy_trains_the_same_under_autograd(pools):
 
 @pytest.mark.multiprocess
 def test_gradients_equal_torch_func_on_gpt_and_llama(pools):
-    results = pools.run(2, W.grads_gpt_and_llama)
-    print(results)
-    for rank in results:
-        assert rank["gpt"]["bitwise"], rank
-        for name, r in rank.items():
-            assert r["loss_diff"] < STEP_TOL, (name, r)
-            assert r["grad_diff"] <= GRAD_TOL * r["grad_max"], (name, r)
-            assert r["grad_max"] > 0.01, (name, r)  # not vacuous
-            assert r["unchanged"], (name, r)  # the input shards were never marked
+    for name, r in _measured(pools, W.grads_gpt_and_llama):
+        assert r["bitwise"] or name != "gpt", (name, r)
+        assert r["loss_diff"] < STEP_TOL, (name, r)
+        assert r["grad_diff"] <= GRAD_TOL * r["grad_max"], (name, r)
+        assert r["grad_max"] > 0.01, (name, r)  # not vacuous
+        assert r["unchanged"], (name, r)  # the input shards were never marked
 
 
 @pytest.mark.multiprocess
 def test_models_torch_func_cannot_differentiate_train_and_match_one_process(pools):
-    results = pools.run(2, W.cannot_transform)
-    print(results)
-    for rank in results:
-        for name, r in rank.items():
-            assert "error" not in r, (name, r)
-            assert r["loss_diff"] < STEP_TOL, (name, r)
-            assert r["param_diff"] < 1e-4, (name, r)  # as the zoo's LoRA tests
-            assert r["moved"] > 1e-2, (name, r)
-            assert len(r["notices"]) == 1, (name, r)  # once per step function, not per step
-            assert "engine='autograd'" in r["notices"][0], (name, r)
+    for name, r in _measured(pools, W.cannot_transform):
+        assert "error" not in r, (name, r)
+        assert r["loss_diff"] < STEP_TOL, (name, r)
+        assert r["param_diff"] < 1e-4, (name, r)  # as the zoo's LoRA tests
+        assert r["moved"] > 1e-2, (name, r)
+        assert len(r["notices"]) == 1, (name, r)  # once per step function, not per step
+        assert "engine='autograd'" in r["notices"][0], (name, r)
 
 
 @pytest.mark.multiprocess
 def test_hf_gradient_checkpointing_and_input_hooks_equal_the_run_without(pools):
-    results = pools.run(2, W.gradient_checkpointing)
-    print(results)
-    for rank in results:
-        for kind, r in rank.items():
-            assert r["bitwise"], (kind, r)
-            assert r["func_diff"] < STEP_TOL and r["func_loss_diff"] < STEP_TOL, (kind, r)
-            assert r["moved"] > 1e-2, (kind, r)
-            assert r["module_kept"], (kind, r)
-            assert len(r["notices"]) == 1 and "gradient checkpointing" in r["notices"][0], r
+    for kind, r in _measured(pools, W.gradient_checkpointing):
+        assert r["bitwise"], (kind, r)
+        assert r["func_diff"] < STEP_TOL and r["func_loss_diff"] < STEP_TOL, (kind, r)
+        assert r["moved"] > 1e-2, (kind, r)
+        assert r["module_kept"], (kind, r)
+        assert len(r["notices"]) == 1 and "gradient checkpointing" in r["notices"][0], r
 
 
 # --------------------------------------------------------------------------- one process
