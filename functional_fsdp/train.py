@@ -1,8 +1,7 @@
 """``TrainState`` and a pure ``train_step``.
 
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
-built on ``torch.func.grad_and_value`` (or plain autograd: :mod:`functional_fsdp.grad_engine`).
-The gradient rule lives in :meth:`FSDP.apply` (each
+built on ``torch.func.grad_and_value`` (or autograd: ``engine=``). The gradient rule lives in :meth:`FSDP.apply` (each
 unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
 global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
 """
@@ -29,7 +28,7 @@ from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
-from .grad_engine import Differentiator, Engine, check_engine
+from .grad_engine import Differentiator, Engine
 from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
@@ -754,7 +753,6 @@ def train_step(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
             "(needed for batch='global' and accumulate_mode='local')."
         )
-    check_engine(engine)
     differentiate = Differentiator(engine, None if model is None else model.module)
 
     takes_finite = isinstance(optimizer, GradientTransformationExtraArgs)
