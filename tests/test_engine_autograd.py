@@ -176,3 +176,30 @@ def test_bad_engine_names_the_choices():
         r"differentiates with torch\.func",
     ):
         ff.train_step(lambda p, b: p["w"].sum(), ff.sgd(0.1), batch="local", engine="jax")
+
+
+def test_the_fallback_draws_the_masks_of_its_failed_attempt():
+    # The hook raises under torch.func after dropout drew its mask: the autograd retry must
+    # draw the same one, as engine="autograd" does from the start (no mesh: model=None).
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+        model[1].register_forward_hook(lambda m, args, out: out.requires_grad_())
+        return model
+
+    results = []
+    for engine in ("auto", "autograd"):
+        model = build()
+        opt = ff.sgd(0.1)
+        step = ff.train_step(
+            lambda p, b: torch.func.functional_call(model, p, (b,)).pow(2).mean(),
+            opt,
+            batch="local",
+            engine=engine,
+        )
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ff.AutogradFallbackWarning)
+            state, _ = step(ff.TrainState.create(params, opt, rng=5), torch.ones(8, 4))
+        results.append(state.params)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
