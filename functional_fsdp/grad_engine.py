@@ -8,7 +8,8 @@ autograd, as it does under torch's FSDP or DDP:
 * ``Tensor.requires_grad_()`` inside the forward: the hooks of Hugging Face's
   ``enable_input_require_grads`` (registered by ``gradient_checkpointing_enable()`` and
   peft's ``prepare_model_for_kbit_training``), peft LoRA on Mixtral's experts;
-* Hugging Face's own gradient checkpointing (``torch.utils.checkpoint`` inside its layers).
+* Hugging Face's own gradient checkpointing (``torch.utils.checkpoint`` inside its layers);
+* ``.data`` assignments inside the forward (bitsandbytes' ``Params4bit`` construction).
 
 For those, :class:`Differentiator` computes the same gradients with ``torch.autograd``: the
 trainable local shards are replaced by detached leaf copies that require grad, the loss is
@@ -44,6 +45,7 @@ _CANNOT_TRANSFORM: tuple[tuple[str, str], ...] = (
     ("must override the setup_context", "an autograd.Function without setup_context"),
     ("requires_grad_()", "Tensor.requires_grad_() inside the forward"),
     ("saved tensor hooks", "torch.utils.checkpoint (saved-tensor hooks)"),
+    ("mutating directly with `.data`", "a .data assignment inside the forward"),
 )
 
 
