@@ -82,8 +82,8 @@ def optimizer() -> ff.GradientTransformation:
     return ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))
 
 
-def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any, Any]:
-    """``(model, sharded model, step, state)`` of ``case`` on ``mesh``."""
+def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any]:
+    """``(sharded model, step, state)`` of ``case`` on ``mesh``."""
     kind = case["model"]
     torch.manual_seed(0)
     model = build(kind, case.get("n_layer"))
@@ -101,7 +101,7 @@ def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any, Any]:
     opt_specs = step_kwargs.pop("opt_specs", None)  # the state's, given once
     step = ff.train_step(loss_fn, opt, model=f, **step_kwargs)
     state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
-    return model, f, step, state
+    return f, step, state
 
 
 def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +112,7 @@ def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def step_comms(case: dict, mesh: Any) -> dict:
     """``count_comms`` of one ``train_step`` of ``case`` on ``mesh``, by kind and axis."""
-    _, _, step, state = _setup(case, mesh)
+    _, step, state = _setup(case, mesh)
     with ff.count_comms() as comms:
         step(state, _batch(case["model"]))
     return comms.by_kind_and_axis()
@@ -122,7 +122,7 @@ def measure(case: dict) -> dict:
     """One train_step of ``case``: comms, gathered peak, bytes at rest and activations."""
     kind = case["model"]
     mesh = ff.make_mesh(case["mesh"])
-    model, f, step, state = _setup(case, mesh)
+    f, step, state = _setup(case, mesh)
     ids, tgt = _batch(kind)
     with ff.count_comms() as comms, track_memory() as memory:
         new_state, _ = step(state, (ids, tgt))

@@ -394,6 +394,21 @@ def test_errors_name_the_problem_and_the_fix():
         plan(model, {"dp": 2}, specs=ff.P("fsdp"))
 
 
+def test_plan_inside_a_process_group_says_where_to_plan():
+    # The step whose collectives the plan counts runs on its own shapes-only mesh.
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    with (
+        ff.simulated_mesh({"dp": 2}),
+        pytest.raises(
+            RuntimeError,
+            match=r"needs its own \(fake\) process group, but one already exists.*"
+            r"python -m functional_fsdp\.planner",
+        ),
+    ):
+        plan(model, {"dp": 2}, batch=(4, 8))
+
+
 def test_strategies_priced_together_equal_each_priced_alone():
     # compare_strategies shares unit plans, optimizer state and forward traces between its
     # strategies; each report must still be the one its strategy gets on its own.

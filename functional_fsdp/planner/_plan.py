@@ -522,6 +522,7 @@ def _plan(
             f"'meta' for big ones) and pass it, e.g. ff.plan(model, {{'dp': 8}})."
         )
     sizes = _sizes_of(mesh)
+    _run.check_no_process_group()
     mesh_str = format_mesh(sizes)
     if tp_plan is not None and tp_axis not in sizes:
         raise ValueError(
@@ -712,29 +713,16 @@ def _plan(
             return "step"
         return "fsdp"
 
+    engine = dict(specs=user_specs, units=units, policy=policy, data_axes=data_axes)
+    engine["trainable"] = trainable
+    stepping = dict(optimizer=opt, opt_specs=opt_specs, accumulate=accumulate)
+    stepping["accumulate_mode"] = accumulate_mode
+
     def count(m: nn.Module) -> _run.Counts:
         return _run.count_step(
-            m,
-            sizes,
-            batch=run_batch,  # type: ignore[arg-type]
-            fsdp_kwargs=dict(
-                specs=user_specs,
-                units=units,
-                policy=policy,
-                data_axes=data_axes,
-                trainable=trainable,
-            ),
-            tp_plan=tp_plan,
-            tp_axis=tp_axis,
-            optimizer=opt,
-            opt_specs=opt_specs,
-            loss_fn=loss,
-            accumulate=accumulate,
-            accumulate_mode=accumulate_mode,
-            source=source,
+            m, sizes, run_batch, engine, (tp_plan, tp_axis), stepping, loss, source
         )
 
-    _run.check_no_process_group()
     blocks = _run.repeated_blocks(
         model,
         unit_paths,

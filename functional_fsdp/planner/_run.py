@@ -27,6 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.collectives import count_comms
+from ..distributed.simulate import simulated_mesh
+from ..fsdp.api import fsdp
+from ..optim.transforms import identity
+from ..tp.plan import tensor_parallel
+from ..train import TrainState, train_step
+
 Key = tuple[str, str, str]  # (kind, axis, source)
 Counts = dict[Key, tuple[int, int]]  # {key: (count, bytes)}
 SHORT = (2, 3)  # blocks in the two shortened runs
@@ -144,38 +151,30 @@ def _first_tensor(tree: Any) -> torch.Tensor:
 def count_step(
     model: nn.Module,
     sizes: Mapping[str, int],
-    *,
     batch: tuple[tuple[Any, ...], dict[str, Any]],
     fsdp_kwargs: dict[str, Any],
-    tp_plan: Any,
-    tp_axis: str,
-    optimizer: Any,
-    opt_specs: Any,
+    tp: tuple[Any, str],
+    step_kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    accumulate: int,
-    accumulate_mode: str,
     source: Callable[[str, str, int], str],
 ) -> Counts:
     """One real ``train_step`` of ``model`` on a shapes-only mesh of ``sizes``: its
     collectives as ``{(kind, axis, source(kind, axis, bytes)): (count, bytes)}``.
 
-    ``batch`` is this rank's share, as ``(args, kwargs)`` of the model's call.
+    ``batch`` is this rank's share, as ``(args, kwargs)`` of the model's call; ``fsdp_kwargs``
+    go to :func:`functional_fsdp.fsdp`, ``tp`` is ``(tp_plan or None, tp_axis)`` and
+    ``step_kwargs`` hold ``optimizer`` (``None``: none), ``opt_specs``, ``accumulate`` and
+    ``accumulate_mode``.
     """
-    from ..distributed.collectives import count_comms
-    from ..distributed.simulate import simulated_mesh
-    from ..fsdp.api import fsdp
-    from ..optim.transforms import identity
-    from ..train import TrainState, train_step
-
     kwargs = dict(fsdp_kwargs)
+    tp_plan, tp_axis = tp
+    optimizer, opt_specs = step_kwargs["optimizer"], step_kwargs["opt_specs"]
     with simulated_mesh(dict(sizes), shapes_only=True) as mesh:
         if tp_plan is not None:
-            from ..tp.plan import tensor_parallel
-
-            tp = tensor_parallel(model, mesh, tp_plan, axis=tp_axis)
+            layout = tensor_parallel(model, mesh, tp_plan, axis=tp_axis)
             if kwargs.get("specs") is None:
-                kwargs["specs"] = tp.specs
-            kwargs["wrappers"] = tp.wrappers
+                kwargs["specs"] = layout.specs
+            kwargs["wrappers"] = layout.wrappers
         sharded = fsdp(model, mesh, **kwargs)
         args, kw = batch
         if "use_cache" not in kw and "use_cache" in inspect.signature(model.forward).parameters:
@@ -191,8 +190,8 @@ def count_step(
             opt,
             model=sharded,
             batch="local",
-            accumulate=accumulate,
-            accumulate_mode=accumulate_mode,  # type: ignore[arg-type]
+            accumulate=step_kwargs["accumulate"],
+            accumulate_mode=step_kwargs["accumulate_mode"],
         )
         state = TrainState.create(sharded.shard(), opt, trainable=sharded, opt_specs=opt_specs)
         with count_comms() as counter:
