@@ -376,7 +376,7 @@ def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str
                 f"{v.local.device}. Move them to one device first, e.g. "
                 f"ff.tree_map(lambda t: t.to({str(first.local.device)!r}), tree)."
             )
-    if first.local.is_meta:
+    if first.local.is_meta and not is_shapes_only(first.mesh):  # shapes-only: meta is right
         raise ValueError(
             f"{what}(): {keystr(paths[0])} (shape {first.global_shape}, "
             f"{first.spec.trimmed()}) is on the meta device: it has no values to communicate. "

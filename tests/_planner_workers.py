@@ -9,6 +9,7 @@ plain-autograd forward keeps for backward (parameters left out), which is what
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -40,12 +41,13 @@ def llama_config() -> Any:
     )
 
 
-def build(kind: str) -> nn.Module:
-    """The model of a case (on the current default device: ``meta`` for the planner)."""
+def build(kind: str, n_layer: int | None = None) -> nn.Module:
+    """The model of a case (on the current default device: ``meta`` for the planner), with
+    ``n_layer`` blocks instead of the config's if given."""
     if kind == "gpt":
-        return GPT(GPT_CFG)
+        return GPT(dataclasses.replace(GPT_CFG, n_layer=n_layer or GPT_CFG.n_layer))
     if kind == "gpt_tp":
-        return GPT(TP_CFG)
+        return GPT(dataclasses.replace(TP_CFG, n_layer=n_layer or TP_CFG.n_layer))
     if kind == "llama":
         from transformers import LlamaForCausalLM
 
@@ -75,21 +77,22 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def measure(case: dict) -> dict:
-    """One train_step of ``case``: comms, gathered peak, bytes at rest and activations."""
-    kind, axes = case["model"], case["mesh"]
+def optimizer() -> ff.GradientTransformation:
+    """The cases' optimizer: clipped AdamW, whose clip computes a global norm of its own."""
+    return ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))
+
+
+def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any]:
+    """``(sharded model, step, state)`` of ``case`` on ``mesh``."""
+    kind = case["model"]
     torch.manual_seed(0)
-    model = build(kind)
-    mesh = ff.make_mesh(axes)
+    model = build(kind, case.get("n_layer"))
     fsdp_kwargs = dict(case.get("fsdp", {}))
     if case.get("tp"):
         tp = ff.tensor_parallel(model, mesh, gpt_plan(TP_CFG, loss_parallel=False))
         fsdp_kwargs.update(specs=tp.specs, wrappers=tp.wrappers, data_axes=tp.data_axes)
     f = ff.fsdp(model, mesh, **fsdp_kwargs)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
-    tgt = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
-    opt = ff.adamw(1e-3)
+    opt = optimizer()
     step_kwargs = dict(case.get("step", {}))
 
     def loss_fn(p: Any, b: Any) -> torch.Tensor:
@@ -98,6 +101,29 @@ def measure(case: dict) -> dict:
     opt_specs = step_kwargs.pop("opt_specs", None)  # the state's, given once
     step = ff.train_step(loss_fn, opt, model=f, **step_kwargs)
     state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
+    return f, step, state
+
+
+def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+    return ids, torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+
+
+def step_comms(case: dict, mesh: Any) -> dict:
+    """``count_comms`` of one ``train_step`` of ``case`` on ``mesh``, by kind and axis."""
+    _, step, state = _setup(case, mesh)
+    with ff.count_comms() as comms:
+        step(state, _batch(case["model"]))
+    return comms.by_kind_and_axis()
+
+
+def measure(case: dict) -> dict:
+    """One train_step of ``case``: comms, gathered peak, bytes at rest and activations."""
+    kind = case["model"]
+    mesh = ff.make_mesh(case["mesh"])
+    f, step, state = _setup(case, mesh)
+    ids, tgt = _batch(kind)
     with ff.count_comms() as comms, track_memory() as memory:
         new_state, _ = step(state, (ids, tgt))
 

@@ -43,6 +43,7 @@ from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
 from ..spec import P, did_you_mean, format_mesh
 from . import runtime
+from .materialize import init_sharded
 from .plan import Plan, make_plan
 from .policy import (
     ModuleWrapper,
@@ -204,8 +205,6 @@ class FSDP:
                         f"params, buffers = ff.init_sharded(sharded_model) and pass "
                         f"buffers=buffers to apply."
                     )
-                from .materialize import init_sharded
-
                 return init_sharded(self)[0]
             params = {n: p.detach() for n, p in self.module.named_parameters()}
         sharded = shard(params, self.mesh, self.param_specs())

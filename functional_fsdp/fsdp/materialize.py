@@ -34,10 +34,11 @@ import copy
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import swap_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -45,11 +46,30 @@ from .._partition import mark_frozen
 from ..distributed.simulate import is_simulated
 from ..resharding import shard
 from ..sharded import Sharded
-
-if TYPE_CHECKING:
-    from .api import FSDP
+from ..spec import P
 
 InitFn = Callable[[nn.Module], Any]
+
+
+class Sharding(Protocol):
+    """What :func:`init_sharded` reads of a module's sharding: an :class:`FSDP
+    <functional_fsdp.FSDP>` description. Named by what it needs, so that this module imports
+    nothing of ``fsdp/api.py``, which uses it for ``FSDP.shard()`` of a meta module."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def mesh(self) -> DeviceMesh: ...
+
+    @property
+    def units(self) -> tuple[str, ...]: ...
+
+    @property
+    def trainable(self) -> frozenset[str]: ...
+
+    def param_specs(self) -> dict[str, P]: ...
+
 
 # --------------------------------------------------------------------------- init steps
 
@@ -421,7 +441,7 @@ def _check_tie_order(sweep: _Sweep, order: list[str]) -> None:
 
 
 def init_sharded(
-    sm: FSDP,
+    sm: Sharding,
     *,
     init_fn: InitFn | Sequence[InitFn] | None = None,
     device: torch.device | str | None = None,

@@ -1,4 +1,5 @@
-"""Activation memory and tensor-parallel traffic from one forward on the ``meta`` device (private).
+"""Activation memory from one forward on the ``meta`` device (private; the communication
+is counted on the real engine, see :mod:`._run`).
 
 :func:`trace_forward` runs the module once on per-call shallow copies of its tree (the user's
 module is never touched), with ``meta`` parameters of the shape each rank computes with
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
-from ..fsdp.runtime import copy_modules
 from ..tp.styles import (
     ColwiseParallel,
     PrepareInput,
@@ -37,8 +37,7 @@ from ..tp.styles import (
     Style,
     VocabParallelEmbedding,
 )
-
-CommTuple = tuple[str, str, str, int, int, torch.dtype]  # (phase, kind, axis, n, bytes, dtype)
+from ._run import copy_tree
 
 
 @dataclasses.dataclass
@@ -51,14 +50,11 @@ class Trace:
         inputs: ``{unit: {storage key: bytes}}`` of each unit's tensor inputs (what a
             checkpointed unit keeps).
         grad_out: ``{unit: bool}``: the unit's output requires grad (so it runs a backward).
-        tp: ``{unit: [(phase, kind, axis, n, bytes, dtype)]}`` collectives of the
-            tensor-parallel styles called inside the unit.
     """
 
     saved: dict[str, dict[Any, int]]
     inputs: dict[str, dict[Any, int]]
     grad_out: dict[str, bool]
-    tp: dict[str, list[CommTuple]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,40 +139,23 @@ def _signature(module: nn.Module, args: Any, kwargs: Any) -> Any:
     return (type(module), module.training, params, tuple(leaves))
 
 
-def _tp_records(style: Style, x: Any, y: Any, axis: str, n: int) -> list[CommTuple]:
-    """The collectives a style issues around one call (see :mod:`functional_fsdp.tp.styles`)."""
-    out: list[CommTuple] = []
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def all_reduce(phase: str, t: torch.Tensor) -> None:
-        out.append((phase, "all_reduce", axis, n, 2 * nbytes(t) * (n - 1) // n, t.dtype))
-
+def _check_style(style: Style) -> None:
+    """Raise for a style whose meta forward the trace does not model."""
     if isinstance(style, PrepareInput):
         if style.sequence_dim is not None:
             raise _sequence_parallel(style)
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            all_reduce("backward", x)
     elif isinstance(style, ColwiseParallel):
         if style.input == "sequence":
             raise _sequence_parallel(style)
-        if style.input == "replicated" and isinstance(x, torch.Tensor) and x.requires_grad:
-            all_reduce("backward", x)
-        if style.output == "replicated":  # gather_from: the local block, gathered
-            local = nbytes(y) // n
-            out.append(("forward", "all_gather", axis, n, local * n * (n - 1) // n, y.dtype))
     elif isinstance(style, (RowwiseParallel, VocabParallelEmbedding)):
         if style.output != "replicated":
             raise _sequence_parallel(style)
-        all_reduce("forward", y)
     else:
         raise ValueError(
             f"ff.plan: the tensor-parallel style {style} is not modelled by the planner (it "
             f"prices ColwiseParallel, RowwiseParallel, VocabParallelEmbedding and PrepareInput "
             f"without sequence parallelism). Plan with a plan that uses those styles."
         )
-    return out
 
 
 def _sequence_parallel(style: Style) -> ValueError:
@@ -217,13 +196,12 @@ def trace_forward(
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     styles: Mapping[str, Style],
-    tp_axis: str,
     tp_size: int,
     input_dtype: torch.dtype | None,
 ) -> Trace:
     """Run ``module`` on ``meta`` with ``params`` (``{alias: meta tensor}``); see the module doc."""
     named = tuple(module.named_modules(remove_duplicate=False))
-    copies = copy_modules(named)
+    copies = copy_tree(module)
     for name, t in params.items():
         path, _, attr = name.rpartition(".")
         copies[path]._parameters[attr] = t  # type: ignore[assignment]
@@ -233,7 +211,7 @@ def trace_forward(
                 copies[path]._buffers[attr] = b.to("meta")
     param_keys = {_key(t) for t in params.values()}
 
-    trace = Trace({"": {}}, {}, {}, {})
+    trace = Trace({"": {}}, {}, {})
     stack = [""]
     cache: dict[Any, tuple[str, Any, list[int]]] = {}
     replay = [0]
@@ -267,7 +245,6 @@ def trace_forward(
                     slots.get(k, (path, k)): b for k, b in trace.saved[first].items()
                 }
                 seen.update(trace.saved[path])
-                trace.tp[path] = list(trace.tp.get(first, []))
                 trace.grad_out[path] = trace.grad_out[first]
                 return torch_pytree.tree_map(
                     lambda m: m.make() if isinstance(m, _Like) else m, out_meta
@@ -297,15 +274,11 @@ def trace_forward(
         return run
 
     def styled(path: str, style: Style) -> Callable[..., Any]:
+        _check_style(style)
         stand_in = _meta_style_forward(style, copies[path], tp_size)
 
         def run(inner: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-            out = (stand_in or inner)(*a, **kw)
-            x = a[0] if a else next(iter(kw.values()), None)
-            trace.tp.setdefault(stack[-1], []).extend(
-                _tp_records(style, x, out, tp_axis, tp_size) if tp_size > 1 else []
-            )
-            return out
+            return (stand_in or inner)(*a, **kw)
 
         return run
 

@@ -20,6 +20,7 @@ from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
 from ..optim.masters import master_weights as wrap_masters
 from ..spec import P
 from ..tp.styles import Style
+from ._charts import plot_memory
 from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, _plan
 from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
@@ -90,8 +91,6 @@ class Comparison:
         """
         if not have_matplotlib():
             return text_chart(self.reports, gib)
-        from ..plot import plot_memory  # plot imports this module
-
         return plot_memory(self, gib=gib, ax=ax)
 
     def text_chart(self, gib: float | None = None) -> str:

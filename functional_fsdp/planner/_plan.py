@@ -18,7 +18,11 @@ Figures (per rank; every rank holds a block of the same padded shape):
   share of the batch (see :mod:`._activations`), per unit, with the policy's checkpointing,
   without any and with every unit checkpointed.
 * **communication**: every collective one ``train_step`` issues, by kind and mesh axis, in
-  the bytes :class:`functional_fsdp.CommRecord` counts (ring bytes sent per rank).
+  the bytes :class:`functional_fsdp.CommRecord` counts (ring bytes sent per rank). These are
+  not worked out by the planner: it runs the real step (``ff.fsdp``, ``ff.train_step`` with the
+  optimizer) on a shapes-only simulated mesh of the same axis sizes and takes what
+  :func:`functional_fsdp.count_comms` records (see :mod:`._run`), so the plan cannot drift
+  from the engine.
 """
 
 from __future__ import annotations
@@ -34,14 +38,14 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
-from ..fsdp.plan import Plan, gather_dtype, make_plan, plan_rounds
+from ..fsdp.plan import Plan, gather_dtype, make_plan
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import param_dtype_of
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
 from ..tp.styles import Style
-from . import _activations
+from . import _activations, _run
 
 GiB = 1024**3
 OptimizerArg = GradientTransformation | Literal["adamw", "adam", "sgd", "momentum"] | None
@@ -356,31 +360,21 @@ def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: t
     return optree.tree_map(local, (args, kwargs), none_is_leaf=True)
 
 
-def _record(kind: str, n: int, nbytes: int) -> int:
-    """Bytes :func:`functional_fsdp.distributed.collectives._record` books for one collective."""
-    if kind == "all_gather":
-        return nbytes * n * (n - 1) // n
-    if kind == "reduce_scatter":
-        return nbytes * (n - 1) // n
-    return 2 * nbytes * (n - 1) // n
-
-
-class _Comms:
-    def __init__(self) -> None:
-        self.items: dict[tuple[str, str, str], list[int]] = {}
-
-    def add(self, kind: str, axis: str, n: int, nbytes: int, source: str, times: int = 1) -> None:
-        if n == 1 or times == 0:
-            return
-        slot = self.items.setdefault((kind, axis, source), [0, 0])
-        slot[0] += times
-        slot[1] += times * _record(kind, n, nbytes)
-
-    def figures(self) -> tuple[CommFigure, ...]:
-        return tuple(
-            CommFigure(kind, axis, n, b, source)
-            for (kind, axis, source), (n, b) in sorted(self.items.items())
-        )
+def _stand_in_batch(model: nn.Module, rows: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """This rank's share of a batch of ``rows`` rows for a step run without a batch: the
+    FSDP and step collectives do not depend on the batch. Token ids of one token for a model
+    that starts with an embedding, features for one that starts with a linear layer."""
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return (torch.zeros(rows, 1, dtype=torch.long, device="meta"),), {}
+        if isinstance(m, nn.Linear):
+            x = torch.zeros(rows, m.in_features, dtype=m.weight.dtype, device="meta")
+            return (x,), {}
+    raise ValueError(
+        f"ff.plan: without batch=, the communication is counted on a stand-in batch, which "
+        f"the planner makes for models that start with an nn.Embedding or nn.Linear; this "
+        f"{type(model).__name__} does not. Pass batch= (e.g. a tuple of its inputs on meta)."
+    )
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -416,10 +410,20 @@ def plan(
     they matter) and returns a :class:`PlanReport`. Nothing is allocated and no process is
     started: build big models on ``meta`` (``with torch.device("meta"): model = ...``).
 
-    The communication figures are those of ``ff.train_step(..., model=sharded_model)`` with
-    the ``optimizer`` (its loss all-reduce and global-norm all-reduces included), each unit
-    called once per forward; TP figures leave out the collectives of a user's loss (e.g.
-    :func:`functional_fsdp.vocab_parallel_cross_entropy`).
+    The communication figures are counted, not derived: one real ``ff.train_step(loss,
+    optimizer, model=ff.fsdp(model, mesh, ...))`` runs on
+    ``ff.simulated_mesh(mesh, shapes_only=True)`` (rank 0 on ``meta`` tensors: nothing is
+    allocated) inside :func:`functional_fsdp.count_comms`, with this rank's share of
+    ``batch`` and ``loss = loss_fn(model output)``; whatever the step issues (the loss
+    all-reduce, a clip's and the metrics' norms, ZeRO's gathers, a loss's own collectives) is
+    in the plan. A model with more than 3 identical blocks (a ``ModuleList`` of units of one
+    type, shapes, specs, trainability and checkpointing) runs as 2 and 3 blocks and is
+    extrapolated, which is exact: every figure is affine in the number of such blocks
+    (``tests/test_planner.py`` checks the extrapolation against the full step). Without a
+    batch, the step runs on a stand-in batch of one token (or one feature row) per rank and
+    the tensor-parallel traffic, which scales with the batch, is left out. The step needs
+    its own (fake) process group, so ``plan`` raises inside a job that already has one:
+    plan before ``init_process_group``, or with ``python -m functional_fsdp.planner``.
 
     Args:
         model: the module (any device; ``meta`` for big ones). Never modified.
@@ -454,6 +458,7 @@ def plan(
     Raises:
         ValueError: a spec that does not fit its parameter, a batch that does not split over
             the data ranks, an unknown axis, or a TP style the planner does not model.
+        RuntimeError: a process group exists already (see above).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -517,6 +522,7 @@ def _plan(
             f"'meta' for big ones) and pass it, e.g. ff.plan(model, {{'dp': 8}})."
         )
     sizes = _sizes_of(mesh)
+    _run.check_no_process_group()
     mesh_str = format_mesh(sizes)
     if tp_plan is not None and tp_axis not in sizes:
         raise ValueError(
@@ -537,6 +543,7 @@ def _plan(
     mp = policy.mixed_precision
     shape_mesh = _ShapeMesh(sizes)
     styles: dict[str, Style] = {}
+    user_specs = specs
     if tp_plan is not None:
         from ..tp.plan import tensor_parallel
 
@@ -620,13 +627,13 @@ def _plan(
     gathered_peak = root_bytes + window
     largest = max(the_plan.units.values(), key=lambda u: u.gathered_bytes)
 
-    # ---- activations (and which units run a backward, and the TP collectives)
+    # ---- activations
     trace = None
     n_data = math.prod(sizes[a] for a in data_axes)
     local = _local_batch(batch, n_data * accumulate, sizes, data_axes)
+    loss = _activations.lm_loss if loss_fn == "lm" else loss_fn
     if local is not None:
         params = _compute_params(the_plan, sizes, data_axes, mp.param_dtype, train)
-        loss = _activations.lm_loss if loss_fn == "lm" else loss_fn
         cast = mp.param_dtype if mp.cast_forward_inputs else None
         key = None
         if not styles:  # a TP trace depends on the styles too: not shared
@@ -642,7 +649,6 @@ def _plan(
                 local[1],
                 loss,  # type: ignore[arg-type]
                 styles,
-                tp_axis,
                 sizes.get(tp_axis, 1),
                 cast,
             ),
@@ -689,110 +695,49 @@ def _plan(
             )
         )
 
-    # ---- communication
-    comms = _Comms()
-    sync = policy.grad_reduce != "none"
-    reduce_dtype = mp.reduce_dtype or mp.param_dtype
-    any_trainable = bool(train)
-    engine_plan = the_plan
-    if zero and not zero1:  # ZeRO-2: the engine reduce-scatters onto the optimizer shards
-        engine_specs = {n: opt_layouts[n].spec if n in train else param_specs[n] for n in layouts}
-        engine_plan = _memo(
-            memo,
-            ("plan", tuple(sizes.items()), tuple(engine_specs.items()), unit_paths, data_axes),
-            lambda: make_plan(model, sizes, engine_specs, unit_paths, data_axes, mp.param_dtype),
-            mp.param_dtype,
+    # ---- communication: one real train_step, counted on a shapes-only mesh (see ._run)
+    if batch is not None:
+        run_batch = _local_batch(batch, n_data, sizes, data_axes)
+    else:
+        run_batch = _stand_in_batch(model, accumulate)
+
+    def source(kind: str, axis: str, nbytes: int) -> str:
+        """Who issued a collective: the step (a scalar all-reduce: the loss, the norm; ZeRO's
+        gradient reduce-scatter and parameter all-gather), tensor parallelism (another
+        axis) or FSDP."""
+        if kind == "all_reduce" and nbytes < 16:
+            return "step"
+        if axis not in data_set:
+            return "tp"
+        if (zero and kind == "all_gather") or (zero1 and kind == "reduce_scatter"):
+            return "step"
+        return "fsdp"
+
+    engine = dict(specs=user_specs, units=units, policy=policy, data_axes=data_axes)
+    engine["trainable"] = trainable
+    stepping = dict(optimizer=opt, opt_specs=opt_specs, accumulate=accumulate)
+    stepping["accumulate_mode"] = accumulate_mode
+
+    def count(m: nn.Module) -> _run.Counts:
+        return _run.count_step(
+            m, sizes, run_batch, engine, (tp_plan, tp_axis), stepping, loss, source
         )
-    for uname, up in engine_plan.units.items():
-        runs_backward = (
-            (trace.grad_out.get(uname, any_trainable) if trace is not None else any_trainable)
-            if uname
-            else any_trainable
-        )
-        gathers = 1 + (1 if policy.reshard_after_forward and runs_backward else 0)
-        if zero:  # computed with the replicas held at rest: nothing gathered
-            gathers = 0
-        for rnd in up.rounds:
-            nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize
-            comms.add("all_gather", rnd.axis, rnd.size, nbytes, "fsdp", gathers * accumulate)
-        needed = {i for i, n in enumerate(up.names) if n in train}
-        if not needed or not sync or zero1:
-            continue
-        for rnd in reversed(up.rounds):
-            pieces = [p for p in rnd.pieces if p.index in needed]
-            if pieces:
-                dt = (
-                    reduce_dtype
-                    if reduce_dtype is not None and rnd.dtype.is_floating_point
-                    else rnd.dtype
-                )
-                nbytes = sum(_numel(p.local_shape) for p in pieces) * rnd.size * dt.itemsize
-                comms.add("reduce_scatter", rnd.axis, rnd.size, nbytes, "fsdp", accumulate)
-        if any(sizes[a] > 1 for i in needed for a in up.replicated[i]):
-            axes = sorted({a for i in needed for a in up.replicated[i]})
-            for axis in axes:
-                by_dtype: dict[torch.dtype, int] = {}
-                for i in sorted(needed):
-                    if axis in up.replicated[i]:
-                        own = gather_dtype(up.dtypes[i], mp.param_dtype)
-                        dt = (
-                            reduce_dtype
-                            if reduce_dtype is not None and own.is_floating_point
-                            else own
-                        )
-                        by_dtype[dt] = by_dtype.get(dt, 0) + up.layouts[i].local_numel * dt.itemsize
-                for nbytes in by_dtype.values():
-                    comms.add("all_reduce", axis, sizes[axis], nbytes, "fsdp", accumulate)
-    if trace is not None:
-        for u, records in trace.tp.items():
-            again = 2 if u in the_plan.order and checkpointed(u) else 1
-            for phase, kind, axis, _, nbytes, _ in records:
-                times = accumulate * (again if phase == "forward" else 1)
-                comms.items.setdefault((kind, axis, "tp"), [0, 0])
-                slot = comms.items[(kind, axis, "tp")]
-                slot[0] += times
-                slot[1] += times * nbytes
-    # train_step: the loss mean, the global gradient norm, ZeRO's collectives of the step.
-    for axis in data_axes:
-        comms.add("all_reduce", axis, sizes[axis], 4, "step")
-    norm_layouts = opt_layouts if opt_specs is not None else layouts
-    groups = {
-        tuple(a for a in sizes if a in norm_layouts[n].spec.axes)
-        for n in norm_layouts
-        if n in train
-    }
-    for axis in sizes:
-        k = sum(1 for g in groups if axis in g)
-        if k:
-            comms.add("all_reduce", axis, sizes[axis], 4 * k, "step")
-    if opt_specs is not None:
-        names = [n for n in layouts if n in train]
-        wanted = {
-            a for n in names for a in opt_layouts[n].spec.axes if a not in layouts[n].spec.axes
-        }
-        if zero1 and sync:  # one reduce-scatter of the full gradients, bucketed by dtype
-            rounds = plan_rounds(
-                [opt_layouts[n] for n in names],
-                sizes,
-                data_axes,
-                [gather_dtype(rest[n], mp.param_dtype) for n in names],
-            )
-            for rnd in rounds:
-                dt = reduce_dtype if reduce_dtype is not None else rnd.dtype
-                nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.size * dt.itemsize
-                comms.add(
-                    "reduce_scatter",
-                    rnd.axis,
-                    rnd.size,
-                    nbytes,
-                    "step",
-                )
-        rounds = plan_rounds(
-            [opt_layouts[n] for n in names], sizes, tuple(wanted), [rest[n] for n in names]
-        )
-        for rnd in rounds:
-            nbytes = sum(_numel(p.local_shape) for p in rnd.pieces) * rnd.dtype.itemsize
-            comms.add("all_gather", rnd.axis, rnd.size, nbytes, "step")
+
+    blocks = _run.repeated_blocks(
+        model,
+        unit_paths,
+        lambda n: (param_specs.get(n), n in train, styles.get(n.rpartition(".")[0])),
+        checkpointed,
+    )
+    if blocks is None:
+        counts = count(model)
+    else:
+        path, n_blocks = blocks
+        runs = [count(_run.shortened(model, path, keep)) for keep in _run.SHORT]
+        counts = _run.extrapolate(runs, n_blocks)
+    if batch is None:  # tensor-parallel traffic scales with the batch: none without one
+        counts = {k: v for k, v in counts.items() if k[2] != "tp"}
+    comms = tuple(CommFigure(k, a, n, b, src) for (k, a, src), (n, b) in sorted(counts.items()))
 
     return PlanReport(
         name=name,
@@ -812,7 +757,7 @@ def _plan(
         activation_bytes_no_checkpoint=act_none,
         activation_bytes_checkpoint=act_all,
         recompute_bytes=recompute,
-        comms=comms.figures(),
+        comms=comms,
         units=tuple(unit_figs),
         seconds=time.perf_counter() - start,
     )

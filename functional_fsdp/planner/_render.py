@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._plan import PlanReport
+# Reports are read, never built, here: annotated as ``Any`` so that this module imports
+# nothing of the planner (``_plan`` renders its reports with it).
+PlanReport = Any
 
 PARTS = ("params", "grads", "optimizer", "gathered", "activations")
 
