@@ -1,0 +1,145 @@
+"""Worker functions for the 4-bit (QLoRA) tests: real gloo processes and one-process references.
+
+Every model here is a tiny Llama saved in fp32 to a directory and loaded back quantized by
+``from_pretrained(dir, quantization_config=..., device_map="cpu")``, then wrapped by peft's
+``get_peft_model``: the bytes a rank holds are the bytes bitsandbytes produced.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import functional_fsdp as ff
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VOCAB = 96
+LR = 1e-2
+
+
+def bnb_config(quant_type: str = "nf4", double: bool = True) -> Any:
+    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double`` varied)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def save_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
+    """A tiny fp32 Llama saved with ``save_pretrained`` to ``path`` (in one process:
+    transformers writes the config only from the main process of a process group)."""
+    from transformers import LlamaForCausalLM
+
+    from ._hf import tiny_llama_config
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, **overrides))
+    model.save_pretrained(path)
+    return path
+
+
+def quantized(path: str, quant_type: str = "nf4", double: bool = True) -> nn.Module:
+    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(quant_type, double), device_map="cpu"
+        )
+
+
+def qlora(path: str, quant_type: str = "nf4", double: bool = True, seed: int = 1) -> nn.Module:
+    """peft LoRA (the seed's targets, r=8, alpha=16, no dropout) over the 4-bit model."""
+    from peft import LoraConfig, get_peft_model
+
+    base = quantized(path, quant_type, double)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.simplefilter("ignore")
+        return get_peft_model(base, lora)
+
+
+def batches(steps: int, rows: int = 4, length: int = 9) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (rows, length), generator=g) for _ in range(steps)]
+
+
+def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
+    """``steps`` AdamW steps of ff.train_step on 2 gloo ranks (global batch split by rank) vs
+    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch."""
+    model, ref = qlora(path, quant_type, double), qlora(path, quant_type, double)
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(model, mesh)
+    opt = ff.adamw(LR, weight_decay=0.0)
+
+    def loss_fn(p: dict, b: torch.Tensor) -> torch.Tensor:
+        return sm.apply(p, input_ids=b, labels=b).loss
+
+    step = ff.train_step(loss_fn, opt, model=sm)
+    params = sm.shard()
+    state = ff.TrainState.create(params, opt, trainable=sm)
+    names = state.trainable
+    base = sorted(k for k in params if k.endswith("base_layer.weight"))
+    out: dict = {
+        "base_dtypes": sorted({str(params[k].dtype) for k in base}),
+        "base_local_rows": {k: tuple(params[k].local.shape) for k in base[:2]},
+        "base_global": {k: tuple(params[k].global_shape) for k in base[:2]},
+        "base_trainable": [k for k in base if k in names],
+        "mu_base": [k for k in state.opt_state[0].mu if k in base],
+    }
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+    )
+    theirs = dict(ref.named_parameters())
+    out["loss"], out["ref_loss"], out["grad_diff"] = [], [], None
+    for i, b in enumerate(batches(steps)):
+        if i == 0:  # gradients of the first step, before any update
+            tr, fr = ff.partition(params, names)
+            grads = torch.func.grad(
+                lambda t: loss_fn(ff.combine(t, fr), b.chunk(2)[torch.distributed.get_rank()])
+            )(tr)
+        with ff.count_comms() as comms:
+            state, metrics = step(state, b)
+        ref_loss = ref(input_ids=b, labels=b).loss
+        ref_loss.backward()
+        if i == 0:
+            full = ff.gather(grads)
+            out["grad_diff"] = max((full[k] - theirs[k].grad).abs().max().item() for k in names)
+            out["grad_scale"] = max(theirs[k].grad.abs().max().item() for k in names)
+            out["base_gather_bytes"] = sum(  # the packed rows are the only uint8 values
+                r.bytes for r in comms.records if r.kind == "all_gather" and r.dtype == torch.uint8
+            )
+            out["rs_bytes"] = sum(r.bytes for r in comms.records if r.kind == "reduce_scatter")
+        torch_opt.step()
+        torch_opt.zero_grad()
+        out["loss"].append(float(metrics["loss"]))
+        out["ref_loss"].append(ref_loss.item())
+    full = ff.gather(state.params)
+    out["param_diff"] = max((full[k] - theirs[k].detach()).abs().max().item() for k in names)
+    out["base_bitwise"] = all(
+        torch.equal(state.params[k].local, params[k].local) and state.params[k] is params[k]
+        for k in base
+    )
+    # The same base in bf16, for the all-gather bytes: each 4-bit layer's weight as bf16.
+    out["bf16_base_bytes"] = sum(
+        m.weight.quant_state.shape.numel() * 2
+        for n, m in model.named_modules()
+        if n.endswith("base_layer")
+    )
+    out["user_module_untouched"] = all(
+        type(m.weight).__name__ == "Params4bit"
+        for n, m in model.named_modules()
+        if n.endswith("base_layer")
+    )
+    return out
