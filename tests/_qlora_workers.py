@@ -7,6 +7,7 @@ Every model here is a tiny Llama saved in fp32 to a directory and loaded back qu
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -142,4 +143,49 @@ def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
         for n, m in model.named_modules()
         if n.endswith("base_layer")
     )
+    return out
+
+
+# --------------------------------------------------------------------------- loading
+
+# Layers of 256 and 512 blocks: double quantization's nested absmax has 1 and 2 groups of 256.
+LOAD_CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+
+
+def _local_equal(a: dict, b: dict) -> list[str]:
+    """Names whose local shards differ (bitwise)."""
+    return sorted(k for k in b if k not in a or not torch.equal(a[k].local, b[k].local))
+
+
+def load_shardwise(path: str, quant_type: str, double: bool) -> dict:
+    """Shard-wise quantized loading from an fp32 directory on 2 gloo ranks, into (a) the
+    description of a model quantized by from_pretrained on every rank and (b) a model on the
+    meta device made 4-bit by transformers' replace_with_bnb_linear; both against the bytes
+    of from_pretrained(quantization_config=...) sharded by FSDP.shard()."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from ._deferred_workers import peak_allocated
+
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(quantized(path, quant_type, double), mesh)
+    ref = sm.shard()
+    out: dict = {"names": sorted(ref)}
+    out["from_quantized"] = _local_equal(ff.checkpoint.load_safetensors(sm, path), ref)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    meta = replace_with_bnb_linear(  # from_pretrained leaves the head unquantized too
+        meta, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(quant_type, double)
+    )
+    sm_meta = ff.fsdp(meta, mesh)
+    loaded, peak = peak_allocated(lambda: ff.checkpoint.load_safetensors(sm_meta, path))
+    out["from_meta"] = _local_equal(loaded, ref)
+    out["peak"] = peak
+    out["shards"] = sum(v.local.numel() * v.local.element_size() for v in loaded.values())
+    out["whole_stored"] = sum(
+        math.prod(v.global_shape) * v.local.element_size() for v in loaded.values()
+    )
+    fp32 = {n: p for n, p in AutoModelForCausalLM.from_config(meta.config).named_parameters()}
+    out["largest_fp32"] = max(p.numel() * 4 for p in fp32.values())
+    out["whole_fp32"] = sum(p.numel() * 4 for p in fp32.values())
     return out

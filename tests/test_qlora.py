@@ -111,3 +111,25 @@ def test_tensor_parallel_style_on_a_4bit_layer_is_refused_naming_it(tiny_dir):
         ),
     ):
         ff.fsdp(model, mesh, wrappers=[(layer, lambda module, forward: forward)])
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.fixture(scope="module")
+def load_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return W.save_tiny_llama(str(tmp_path_factory.mktemp("load_llama")), **W.LOAD_CONFIG)
+
+
+@pytest.mark.parametrize("quant_type, double", [("nf4", True), ("fp4", False)])
+def test_gloo_shardwise_quantized_load_is_bitwise_bitsandbytes(pools, load_dir, quant_type, double):
+    """Each rank reads its blocks' rows of the fp32 file and quantizes them; with double
+    quantization the absmax is all-gathered for the offset (the mean over all blocks)."""
+    r = pools.run(2, W.load_shardwise, load_dir, quant_type, double)
+    for out in r:
+        assert out["from_quantized"] == [] and out["from_meta"] == [], out
+        # No rank holds the model: the shards plus about one fp32 tensor's half, well under
+        # the whole model in its stored (4-bit) precision, let alone fp32.
+        print({k: out[k] for k in ("peak", "shards", "whole_stored", "largest_fp32", "whole_fp32")})
+        assert out["peak"] <= out["shards"] + out["largest_fp32"] / 2 + 2**16, out
+        assert out["peak"] < out["whole_stored"], out

@@ -16,7 +16,7 @@ quantization). A second format (torchao's ``NF4Tensor``) is one more file and on
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -40,8 +40,16 @@ class Format(Protocol):
         """A shallow copy of ``module`` whose weight holds whole blocks, one per row."""
         ...
 
-    def dequantize(self, module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        """The full weight (``module`` a storage copy, ``rows`` its gathered weight)."""
+    def load(
+        self, sm: Any, name: str, module: nn.Module, read_rows: Callable[[int, int], torch.Tensor]
+    ) -> dict[str, Any]:
+        """``{name: Sharded, ...}``: the layer's parameters quantized shard-wise from the
+        unquantized weight (``read_rows(start, stop)`` reads rows of it; collective)."""
+        ...
+
+    def dequantize(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The full weight (``module`` a storage copy, ``params`` its gathered parameters
+        by attribute name, e.g. ``{"weight": rows, "weight_nested": ...}``)."""
         ...
 
 
@@ -54,6 +62,18 @@ def _formats() -> list[Format]:
 def is_stored(module: nn.Module) -> bool:
     """Whether ``module`` is a storage copy made by a format (its weight is packed rows)."""
     return getattr(module, "_ff_format", None) is not None
+
+
+def stored_param(module: nn.Module, name: str) -> tuple[Format, nn.Module, str] | None:
+    """``(format, storage copy, attribute)`` when parameter ``name`` of ``module`` belongs to
+    a storage copy (its packed weight or quantization state); else ``None``."""
+    path, _, attr = name.rpartition(".")
+    try:
+        layer = module.get_submodule(path) if path else module
+    except AttributeError:
+        return None
+    fmt = getattr(layer, "_ff_format", None)
+    return None if fmt is None else (fmt, layer, attr)
 
 
 def quantized_layers(module: nn.Module) -> dict[str, Format]:
@@ -140,4 +160,11 @@ def shallow_copy(module: nn.Module) -> nn.Module:
     return c
 
 
-__all__ = ["Format", "is_stored", "quantized_layers", "shallow_copy", "storage_view"]
+__all__ = [
+    "Format",
+    "is_stored",
+    "quantized_layers",
+    "shallow_copy",
+    "storage_view",
+    "stored_param",
+]

@@ -5,8 +5,10 @@ plus a ``QuantState`` (one absmax per block of ``blocksize`` values: float32, or
 quantization uint8 codes plus a nested float32 absmax per 256 blocks and one offset). Its
 storage copy holds one plain uint8 tensor ``[blocks, blocksize / 2 + w]``: each row is one
 block's packed bytes followed by its absmax's ``w`` bytes (4, or 1 when double-quantized).
-Sharding rows over the data axes shards the blocks with their scales; the nested absmax, the
-code tables and the offset (a few bytes per 16384 values) stay replicated on the copy.
+Sharding rows over the data axes shards the blocks with their scales. With double quantization
+the copy has a second frozen uint8 parameter, ``weight_nested``: the float32 offset followed by
+the nested absmax (4 bytes per 256 blocks), sharded and gathered like any other. The two code
+tables (16 and 256 floats, the same for every layer) stay replicated on the copy.
 
 In forward, the gathered rows are split and fed to bitsandbytes' own ``gemm_4bit`` kernel (the
 one ``bnb.matmul_4bit`` calls), so outputs are bitwise those of the bitsandbytes layer; the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,11 +47,10 @@ class State:
         blocksize: values per block (one absmax each).
         quant_type: ``"nf4"`` or ``"fp4"``.
         code: the 4-bit code table (16 floats).
-        nested: double quantization: absmax stored as uint8 codes of ``nested_code``.
-        nested_absmax: float32, one per 256 blocks (``None`` unless nested).
+        nested: double quantization: absmax stored as uint8 codes of ``nested_code``, and
+            the offset (the mean absmax of the tensor) and the nested absmax (float32, one
+            per 256 blocks) in the ``weight_nested`` parameter.
         nested_code: the 8-bit code table (256 floats; ``None`` unless nested).
-        offset: the mean absmax subtracted before double quantization (scalar; ``None``
-            unless nested).
     """
 
     shape: torch.Size
@@ -57,9 +59,7 @@ class State:
     quant_type: str
     code: torch.Tensor
     nested: bool
-    nested_absmax: torch.Tensor | None = None
     nested_code: torch.Tensor | None = None
-    offset: torch.Tensor | None = None
 
     @property
     def packed_len(self) -> int:
@@ -79,9 +79,14 @@ class State:
     def row_shape(self) -> tuple[int, int]:
         return self.blocks, self.blocksize // 2 + self.scale_width
 
+    @property
+    def nested_len(self) -> int:
+        """Bytes of ``weight_nested``: the offset and one nested absmax per 256 blocks."""
+        return 4 * (1 + -(self.blocks // -256)) if self.nested else 0
+
     def replicated_bytes(self) -> int:
-        """Bytes held whole on every rank (code tables, nested absmax, offset)."""
-        parts = [self.code, self.nested_absmax, self.nested_code, self.offset]
+        """Bytes held whole on every rank: the code tables."""
+        parts = [self.code, self.nested_code]
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +97,17 @@ class State:
         absmax = scales.reshape(-1) if self.nested else scales.view(torch.float32).reshape(-1)
         return packed, absmax
 
-    def quant_state(self, absmax: torch.Tensor) -> Any:
-        """bitsandbytes' ``QuantState`` for this layer with the given (gathered) absmax."""
+    def quant_state(self, absmax: torch.Tensor, nested: torch.Tensor | None) -> Any:
+        """bitsandbytes' ``QuantState`` for this layer from gathered absmax and
+        ``weight_nested`` bytes."""
         from bitsandbytes.functional import QuantState
 
-        state2 = None
+        state2 = offset = None
         if self.nested:
+            values = nested.view(torch.float32)  # type: ignore[union-attr]
+            offset = values[0]
             state2 = QuantState(
-                absmax=self.nested_absmax, code=self.nested_code, blocksize=256, dtype=torch.float32
+                absmax=values[1:], code=self.nested_code, blocksize=256, dtype=torch.float32
             )
         return QuantState(
             absmax=absmax,
@@ -108,16 +116,16 @@ class State:
             blocksize=self.blocksize,
             quant_type=self.quant_type,
             dtype=self.dtype,
-            offset=self.offset,
+            offset=offset,
             state2=state2,
         )
 
-    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, rows: torch.Tensor, nested: torch.Tensor | None) -> torch.Tensor:
         """The full weight from gathered rows, with bitsandbytes' ``dequantize_4bit``."""
         import bitsandbytes.functional as F
 
         packed, absmax = self.split(rows)
-        return F.dequantize_4bit(packed, self.quant_state(absmax))
+        return F.dequantize_4bit(packed, self.quant_state(absmax, nested))
 
 
 def pack_rows(packed: torch.Tensor, absmax: torch.Tensor, state: State) -> torch.Tensor:
@@ -141,7 +149,6 @@ def pack_rows(packed: torch.Tensor, absmax: torch.Tensor, state: State) -> torch
 def state_of(quant_state: Any) -> State:
     """The static :class:`State` of a bitsandbytes ``QuantState``."""
     nested = bool(getattr(quant_state, "nested", False))
-    s2 = quant_state.state2 if nested else None
     return State(
         shape=torch.Size(quant_state.shape),
         dtype=quant_state.dtype,
@@ -149,10 +156,14 @@ def state_of(quant_state: Any) -> State:
         quant_type=str(quant_state.quant_type),
         code=quant_state.code,
         nested=nested,
-        nested_absmax=None if s2 is None else s2.absmax,
-        nested_code=None if s2 is None else s2.code,
-        offset=quant_state.offset if nested else None,
+        nested_code=quant_state.state2.code if nested else None,
     )
+
+
+def nested_bytes(offset: torch.Tensor, nested_absmax: torch.Tensor) -> torch.Tensor:
+    """``weight_nested``: the float32 offset and nested absmax, as uint8 bytes."""
+    values = torch.cat([offset.reshape(1).float(), nested_absmax.reshape(-1).float()])
+    return values.view(torch.uint8)
 
 
 class _Matmul4bit(torch.autograd.Function):
@@ -163,22 +174,27 @@ class _Matmul4bit(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        x: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor | None, state: State
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        nested: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        state: State,
     ) -> torch.Tensor:
         packed, absmax = state.split(rows)
         op = torch.ops.bitsandbytes.gemm_4bit.default
         if state.nested:
+            values = nested.view(torch.float32)  # type: ignore[union-attr]
             return op(
                 x,
                 packed,
                 list(state.shape),
-                state.nested_absmax,
+                values[1:],
                 state.blocksize,
                 state.quant_type,
                 bias=bias,
                 absmax_8bit=absmax,
                 absmax_code=state.nested_code,
-                absmax_offset=state.offset,
+                absmax_offset=values[0],
             )
         return op(
             x, packed, list(state.shape), absmax, state.blocksize, state.quant_type, bias=bias
@@ -186,20 +202,20 @@ class _Matmul4bit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        _, rows, bias, state = inputs
-        ctx.save_for_backward(rows)
+        _, rows, nested, bias, state = inputs
+        ctx.save_for_backward(rows, nested)
         ctx.state = state
         ctx.bias_dtype = None if bias is None else bias.dtype
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (rows,) = ctx.saved_tensors
+        rows, nested = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad, ctx.state.dequantize(rows).to(grad.dtype))
-        if ctx.needs_input_grad[2]:
+            grad_x = torch.matmul(grad, ctx.state.dequantize(rows, nested).to(grad.dtype))
+        if ctx.needs_input_grad[3]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        return grad_x, None, grad_bias, None
+        return grad_x, None, None, grad_bias, None
 
 
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +227,8 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     bias = self.bias
     if bias is not None:
         bias = bias.to(compute)
-    return _Matmul4bit.apply(x, self.weight, bias, state).to(inp_dtype)
+    nested = self._parameters.get("weight_nested")
+    return _Matmul4bit.apply(x, self.weight, nested, bias, state).to(inp_dtype)
 
 
 class Bnb4:
@@ -225,9 +242,7 @@ class Bnb4:
 
     def matches(self, module: nn.Module) -> bool:
         bnb = self._bnb()
-        if bnb is None or not isinstance(module, bnb.nn.Linear4bit):
-            return False
-        return getattr(module.weight, "quant_state", None) is not None
+        return bnb is not None and isinstance(module, bnb.nn.Linear4bit)
 
     def refuse(self, module: nn.Module, path: str) -> None:
         bnb = self._bnb()
@@ -239,29 +254,143 @@ class Bnb4:
                 f"{tuple(module.weight.shape)} {module.weight.dtype}) is an 8-bit bitsandbytes "
                 f"layer, which functional_fsdp cannot shard: {HELP_8BIT}"
             )
-        if isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state is None:
-            raise ValueError(
-                f"{path or 'the model'} (bnb.nn.Linear4bit, weight "
-                f"{tuple(module.weight.shape)}) is not quantized yet (its Params4bit has no "
-                f"quant_state). Load the model with from_pretrained(..., "
-                f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...), "
-                f"device_map='cpu') or move it to its device first."
-            )
 
     def storage(self, module: nn.Module) -> nn.Module:
+        """The storage copy. A quantized layer keeps its bytes; one on ``meta`` (e.g. from
+        ``replace_with_bnb_linear`` on a meta model) gets ``meta`` rows, to be loaded
+        shard-wise; an unquantized one with values is quantized here, as bitsandbytes would
+        when moving it to a device."""
+        import bitsandbytes.functional as F
+
         weight = module.weight
-        state = state_of(weight.quant_state)
-        packed = weight.as_subclass(torch.Tensor).detach()
-        rows = pack_rows(packed, weight.quant_state.absmax, state)
+        qs = weight.quant_state
         c = shallow_copy(module)
+        if qs is None and weight.is_meta:
+            state = State(
+                shape=torch.Size(weight.shape),
+                dtype=weight.dtype,
+                blocksize=int(weight.blocksize),
+                quant_type=str(weight.quant_type),
+                code=F.get_4bit_type(weight.quant_type, device="cpu"),
+                nested=bool(weight.compress_statistics),
+                nested_code=F.create_dynamic_map() if weight.compress_statistics else None,
+            )
+            rows = torch.empty(state.row_shape, dtype=torch.uint8, device="meta")
+            nested = torch.empty(state.nested_len, dtype=torch.uint8, device="meta")
+        else:
+            if qs is None:
+                packed, qs = F.quantize_4bit(
+                    weight.as_subclass(torch.Tensor).detach().contiguous(),
+                    blocksize=weight.blocksize,
+                    compress_statistics=weight.compress_statistics,
+                    quant_type=weight.quant_type,
+                )
+            else:
+                packed = weight.as_subclass(torch.Tensor).detach()
+            state = state_of(qs)
+            rows = pack_rows(packed, qs.absmax, state)
+            nested = nested_bytes(qs.offset, qs.state2.absmax) if state.nested else None
         c._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+        if state.nested:
+            c._parameters["weight_nested"] = nn.Parameter(nested, requires_grad=False)
         c.__dict__["_ff_format"] = self
         c.__dict__["_ff_state"] = state
         c.__dict__["forward"] = types.MethodType(_forward, c)
         return c
 
-    def dequantize(self, module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        return module._ff_state.dequantize(rows)  # type: ignore[union-attr,operator]
+    def load(
+        self, sm: Any, name: str, module: nn.Module, read_rows: Callable[[int, int], torch.Tensor]
+    ) -> dict[str, Any]:
+        if name.endswith("_nested"):
+            return {}  # made with the weight
+        return load_layer(sm, name, module._ff_state, read_rows)  # type: ignore[arg-type]
+
+    def dequantize(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        state: State = module._ff_state  # type: ignore[assignment]
+        return state.dequantize(params["weight"], params.get("weight_nested"))
 
 
 FORMAT = Bnb4()
+
+
+def load_layer(
+    sm: Any,
+    name: str,
+    state: State,
+    read_rows: Callable[[int, int], torch.Tensor],
+) -> dict[str, Any]:
+    """Quantize one layer shard-wise: ``{name: rows, nested name: bytes}`` as ``Sharded``.
+
+    Each rank reads (``read_rows(start, stop)``, the weight's rows in ``state.dtype``) only the
+    values of the blocks it owns and quantizes them with bitsandbytes' ``quantize_4bit``:
+    blocks are independent, so the packed bytes and absmax are those of the whole tensor.
+    With double quantization the offset is the mean absmax over *all* blocks: the absmax
+    (4 bytes per block) is all-gathered over the data axes and every rank runs bitsandbytes'
+    ``quantize_blockwise`` on it, so the codes, nested absmax and offset are bitwise those of
+    bitsandbytes on the whole tensor.
+    """
+    from ..distributed.mesh import axis_sizes
+    from ..distributed.simulate import on_rank, per_coordinate
+    from ..resharding import gather, shard
+    from ..sharded import Sharded
+    from ..spec import Layout, P
+
+    specs, sizes = sm.param_specs(), axis_sizes(sm.mesh)
+    layout = Layout.make(state.row_shape, specs[name], sizes)
+    numel, width, bs = state.shape.numel(), state.shape[-1], state.blocksize
+    quantize = torch.ops.bitsandbytes.quantize_4bit.default
+
+    def blocks_of(coord: dict[str, int]) -> tuple[int, int]:
+        rows = layout.owned(coord)[0][0]
+        return rows.start, rows.stop
+
+    def quantized(coord: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        b0, b1 = blocks_of(coord)
+        if b1 <= b0:
+            return torch.zeros(0, 1, dtype=torch.uint8), torch.zeros(0)
+        v0, v1 = b0 * bs, min(b1 * bs, numel)
+        r0, r1 = v0 // width, -(v1 // -width)
+        values = read_rows(r0, r1).reshape(-1)[v0 - r0 * width : v1 - r0 * width]
+        return quantize(values.contiguous(), bs, state.quant_type, torch.uint8)
+
+    def padded(t: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])]) if t.shape[0] < n else t
+
+    cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mine(coord: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = blocks_of(coord)
+        if key not in cache:
+            cache[key] = quantized(coord)
+        return cache[key]
+
+    out: dict[str, Any] = {}
+    qabsmax = None
+    if state.nested:
+        rows_axes = layout.spec.entry(0)
+        absmax_layout = Layout.make((state.blocks,), P(rows_axes or None), sizes)
+        local = per_coordinate(sm.mesh, lambda c: padded(mine(c)[1], absmax_layout.local_shape[0]))
+        full = on_rank(gather(Sharded(local, (state.blocks,), absmax_layout.spec, sm.mesh)), 0)
+        from bitsandbytes.functional import quantize_blockwise
+
+        offset = full.mean()
+        qabsmax, state2 = quantize_blockwise(full - offset, blocksize=256)
+        nested_name = name + "_nested"
+        nested = nested_bytes(offset, state2.absmax)
+        out.update(shard({nested_name: nested}, sm.mesh, {nested_name: specs[nested_name]}))
+
+    def rows_of(coord: dict[str, int]) -> torch.Tensor:
+        b0, b1 = blocks_of(coord)
+        block = torch.zeros(layout.local_shape, dtype=torch.uint8)
+        if b1 > b0:
+            packed, absmax = mine(coord)
+            if qabsmax is not None:
+                absmax = qabsmax[b0:b1]
+            part = dataclasses.replace(state, shape=torch.Size([(b1 - b0) * bs]))
+            columns = layout.owned(coord)[0][1]
+            rows = pack_rows(packed, absmax, part)[:, columns]
+            block[: rows.shape[0], : rows.shape[1]] = rows
+        return block
+
+    out[name] = Sharded(per_coordinate(sm.mesh, rows_of), state.row_shape, layout.spec, sm.mesh)
+    return out
