@@ -157,11 +157,12 @@ def _local_equal(a: dict, b: dict) -> list[str]:
     return sorted(k for k in b if k not in a or not torch.equal(a[k].local, b[k].local))
 
 
-def load_shardwise(path: str, quant_type: str, double: bool) -> dict:
+def load_shardwise(path: str, saved_4bit: str, quant_type: str, double: bool) -> dict:
     """Shard-wise quantized loading from an fp32 directory on 2 gloo ranks, into (a) the
     description of a model quantized by from_pretrained on every rank and (b) a model on the
     meta device made 4-bit by transformers' replace_with_bnb_linear; both against the bytes
-    of from_pretrained(quantization_config=...) sharded by FSDP.shard()."""
+    of from_pretrained(quantization_config=...) sharded by FSDP.shard(). ``saved_4bit`` holds
+    the same model saved already quantized (save_pretrained of the 4-bit model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
@@ -180,6 +181,8 @@ def load_shardwise(path: str, quant_type: str, double: bool) -> dict:
     sm_meta = ff.fsdp(meta, mesh)
     loaded, peak = peak_allocated(lambda: ff.checkpoint.load_safetensors(sm_meta, path))
     out["from_meta"] = _local_equal(loaded, ref)
+    saved = ff.checkpoint.load_safetensors(sm_meta, saved_4bit)
+    out["from_saved_4bit"] = _local_equal(saved, ref)
     out["peak"] = peak
     out["shards"] = sum(v.local.numel() * v.local.element_size() for v in loaded.values())
     out["whole_stored"] = sum(

@@ -122,12 +122,18 @@ def load_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("quant_type, double", [("nf4", True), ("fp4", False)])
-def test_gloo_shardwise_quantized_load_is_bitwise_bitsandbytes(pools, load_dir, quant_type, double):
+def test_gloo_shardwise_quantized_load_is_bitwise_bitsandbytes(
+    pools, load_dir, tmp_path, quant_type, double
+):
     """Each rank reads its blocks' rows of the fp32 file and quantizes them; with double
-    quantization the absmax is all-gathered for the offset (the mean over all blocks)."""
-    r = pools.run(2, W.load_shardwise, load_dir, quant_type, double)
+    quantization the absmax is all-gathered for the offset (the mean over all blocks). A
+    checkpoint saved already quantized is read block-wise too."""
+    saved = str(tmp_path / "saved_4bit")
+    W.quantized(load_dir, quant_type, double).save_pretrained(saved)
+    r = pools.run(2, W.load_shardwise, load_dir, saved, quant_type, double)
     for out in r:
         assert out["from_quantized"] == [] and out["from_meta"] == [], out
+        assert out["from_saved_4bit"] == [], out
         # No rank holds the model: the shards plus about one fp32 tensor's half, well under
         # the whole model in its stored (4-bit) precision, let alone fp32.
         print({k: out[k] for k in ("peak", "shards", "whole_stored", "largest_fp32", "whole_fp32")})

@@ -157,7 +157,11 @@ def _read_into(f: BinaryIO, buffer: torch.Tensor, offset: int, file: str) -> Non
 
 
 def _read_rows(f: BinaryIO, stored: _Stored, start: int, stop: int) -> torch.Tensor:
-    """Rows ``start:stop`` of dim 0 of a stored tensor, in its own dtype."""
+    """Rows ``start:stop`` of dim 0 of a stored tensor, in its own dtype (a scalar whole)."""
+    if not stored.shape:
+        raw = torch.empty((), dtype=stored.dtype)
+        _read_into(f, raw, stored.start, stored.file)
+        return raw
     row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
     raw = torch.empty((stop - start, *stored.shape[1:]), dtype=stored.dtype)
     if raw.numel():
@@ -265,13 +269,13 @@ def load_safetensors(
         if found is not None:
             fmt, layer, _ = found
             shape = tuple(layer._ff_state.shape)
-            if entry.shape != shape:
+            if entry.shape != shape and key + ".absmax" not in stored:  # else saved quantized
                 raise ValueError(
                     f"{what}: {key!r} in {entry.file!r} has shape {entry.shape}, but the model's "
                     f"quantized layer {name!r} was {shape}. Check rename= and that the "
                     f"checkpoint belongs to this model's config."
                 )
-            quantized.append((name, entry, fmt, layer))
+            quantized.append((name, key, fmt, layer))
             continue
         if entry.shape != tuple(p.shape):
             raise ValueError(
@@ -294,18 +298,17 @@ def load_safetensors(
                 lambda c, e=entry, lay=layout, w=want, d=device: _read_block(f, e, lay, c, w, d),
             )
             out[name] = Sharded(local, entry.shape, layout.spec, sm.mesh)
-        for name, entry, fmt, layer in quantized:
-            if entry.file not in files:
-                files[entry.file] = open(entry.file, "rb")  # noqa: SIM115 (closed below)
-            f, want = files[entry.file], dtype or layer._ff_state.dtype
-            check_castable(what, name, repr(entry.file), entry.dtype, want)
+        for name, key, fmt, layer in quantized:
 
-            def read(
-                start: int, stop: int, f: BinaryIO = f, e: _Stored = entry, w: Any = want
-            ) -> torch.Tensor:
-                return _read_rows(f, e, start, stop).to(w)
+            def read(k: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+                """Rows ``start:stop`` (default: all) of the stored tensor ``k``."""
+                e = stored[k]
+                if e.file not in files:
+                    files[e.file] = open(e.file, "rb")  # noqa: SIM115 (closed below)
+                rows = e.shape[0] if e.shape else 0
+                return _read_rows(files[e.file], e, start or 0, rows if stop is None else stop)
 
-            out.update(fmt.load(sm, name, layer, read))
+            out.update(fmt.load(sm, name, layer, key, set(stored), read, dtype))
     finally:
         for f in files.values():
             f.close()

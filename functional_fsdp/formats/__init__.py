@@ -16,7 +16,7 @@ quantization). A second format (torchao's ``NF4Tensor``) is one more file and on
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -41,10 +41,19 @@ class Format(Protocol):
         ...
 
     def load(
-        self, sm: Any, name: str, module: nn.Module, read_rows: Callable[[int, int], torch.Tensor]
+        self,
+        sm: Any,
+        name: str,
+        module: nn.Module,
+        key: str,
+        keys: Collection[str],
+        read: Callable[..., torch.Tensor],
+        dtype: torch.dtype | None,
     ) -> dict[str, Any]:
-        """``{name: Sharded, ...}``: the layer's parameters quantized shard-wise from the
-        unquantized weight (``read_rows(start, stop)`` reads rows of it; collective)."""
+        """``{name: Sharded, ...}``: the layer's parameters read shard-wise from a checkpoint
+        (``key`` its weight's key among ``keys``; ``read(key, start, stop)`` reads rows of a
+        stored tensor): quantized by each rank from an unquantized weight (in ``dtype``,
+        default the layer's), or read as saved quantized. A collective call."""
         ...
 
     def dequantize(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -299,11 +299,22 @@ class Bnb4:
         return c
 
     def load(
-        self, sm: Any, name: str, module: nn.Module, read_rows: Callable[[int, int], torch.Tensor]
+        self,
+        sm: Any,
+        name: str,
+        module: nn.Module,
+        key: str,
+        keys: Collection[str],
+        read: Callable[..., torch.Tensor],
+        dtype: torch.dtype | None,
     ) -> dict[str, Any]:
         if name.endswith("_nested"):
             return {}  # made with the weight
-        return load_layer(sm, name, module._ff_state, read_rows)  # type: ignore[arg-type]
+        state: State = module._ff_state  # type: ignore[assignment]
+        if key + ".absmax" in keys:
+            return load_saved(sm, name, state, key, keys, read)
+        want = dtype or state.dtype
+        return load_layer(sm, name, state, lambda a, b: read(key, a, b).to(want))
 
     def dequantize(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
         state: State = module._ff_state  # type: ignore[assignment]
@@ -379,18 +390,88 @@ def load_layer(
         nested = nested_bytes(offset, state2.absmax)
         out.update(shard({nested_name: nested}, sm.mesh, {nested_name: specs[nested_name]}))
 
-    def rows_of(coord: dict[str, int]) -> torch.Tensor:
-        b0, b1 = blocks_of(coord)
-        block = torch.zeros(layout.local_shape, dtype=torch.uint8)
-        if b1 > b0:
-            packed, absmax = mine(coord)
-            if qabsmax is not None:
-                absmax = qabsmax[b0:b1]
-            part = dataclasses.replace(state, shape=torch.Size([(b1 - b0) * bs]))
-            columns = layout.owned(coord)[0][1]
-            rows = pack_rows(packed, absmax, part)[:, columns]
-            block[: rows.shape[0], : rows.shape[1]] = rows
-        return block
+    def rows_of(coord: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        packed, absmax = mine(coord)
+        if qabsmax is not None:
+            b0, b1 = blocks_of(coord)
+            absmax = qabsmax[b0:b1]
+        return packed, absmax
 
-    out[name] = Sharded(per_coordinate(sm.mesh, rows_of), state.row_shape, layout.spec, sm.mesh)
+    out[name] = _rows_sharded(sm, state, layout, rows_of)
+    return out
+
+
+def _rows_sharded(
+    sm: Any,
+    state: State,
+    layout: Any,
+    rows_of: Callable[[dict[str, int]], tuple[torch.Tensor, torch.Tensor]],
+) -> Any:
+    """The rows ``Sharded`` from each coordinate's ``(packed, absmax)`` of its own blocks."""
+    from ..distributed.simulate import per_coordinate
+    from ..sharded import Sharded
+
+    def block(coord: dict[str, int]) -> torch.Tensor:
+        slices = layout.owned(coord)[0]
+        b0, b1 = slices[0].start, slices[0].stop
+        out = torch.zeros(layout.local_shape, dtype=torch.uint8)
+        if b1 > b0:
+            packed, absmax = rows_of(coord)
+            part = dataclasses.replace(state, shape=torch.Size([(b1 - b0) * state.blocksize]))
+            rows = pack_rows(packed, absmax, part)[:, slices[1]]
+            out[: rows.shape[0], : rows.shape[1]] = rows
+        return out
+
+    return Sharded(per_coordinate(sm.mesh, block), state.row_shape, layout.spec, sm.mesh)
+
+
+def load_saved(
+    sm: Any,
+    name: str,
+    state: State,
+    key: str,
+    keys: Collection[str],
+    read: Callable[..., torch.Tensor],
+) -> dict[str, Any]:
+    """One layer of a checkpoint saved already quantized (bitsandbytes' serialisation, as
+    ``save_pretrained`` of a 4-bit model writes it): each rank reads the packed bytes of its
+    own blocks; the absmax (1 or 4 bytes per block) and the small state are read whole."""
+    from bitsandbytes.functional import QuantState
+
+    from ..distributed.mesh import axis_sizes
+    from ..resharding import shard
+    from ..spec import Layout
+
+    prefix = key + "."
+    qs = QuantState.from_dict(
+        {k[len(prefix) :]: read(k) for k in keys if k.startswith(prefix)}, torch.device("cpu")
+    )
+    saved = state_of(qs)
+    if (saved.shape, saved.blocksize, saved.quant_type, saved.nested) != (
+        state.shape,
+        state.blocksize,
+        state.quant_type,
+        state.nested,
+    ):
+        raise ValueError(
+            f"load_safetensors: {key!r} was saved quantized as {saved.quant_type} "
+            f"{tuple(saved.shape)} (blocksize {saved.blocksize}, double quantization "
+            f"{saved.nested}), but the model's layer {name!r} is {state.quant_type} "
+            f"{tuple(state.shape)} (blocksize {state.blocksize}, double quantization "
+            f"{state.nested}). Build the model with the checkpoint's BitsAndBytesConfig."
+        )
+    specs = sm.param_specs()
+    layout = Layout.make(state.row_shape, specs[name], axis_sizes(sm.mesh))
+    half = state.blocksize // 2
+
+    def rows_of(coord: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = layout.owned(coord)[0][0]
+        stop = min(rows.stop * half, state.packed_len)
+        return read(key, rows.start * half, stop), qs.absmax[rows.start : rows.stop]
+
+    out = {name: _rows_sharded(sm, state, layout, rows_of)}
+    if state.nested:
+        nested_name = name + "_nested"
+        nested = nested_bytes(qs.offset, qs.state2.absmax)
+        out.update(shard({nested_name: nested}, sm.mesh, {nested_name: specs[nested_name]}))
     return out
