@@ -8,6 +8,7 @@ Every model here is a tiny Llama saved in fp32 to a directory and loaded back qu
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
@@ -191,4 +192,61 @@ def load_shardwise(path: str, saved_4bit: str, quant_type: str, double: bool) ->
     fp32 = {n: p for n, p in AutoModelForCausalLM.from_config(meta.config).named_parameters()}
     out["largest_fp32"] = max(p.numel() * 4 for p in fp32.values())
     out["whole_fp32"] = sum(p.numel() * 4 for p in fp32.values())
+    return out
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
+    """3 steps on 2 gloo ranks, then the peft adapter and the merged model exported; rank 0
+    loads them back with peft + bitsandbytes and compares."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(qlora(path), mesh)
+    opt = ff.adamw(LR)
+    step = ff.train_step(lambda p, b: sm.apply(p, input_ids=b, labels=b).loss, opt, model=sm)
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm)
+    for b in batches(3):
+        state, _ = step(state, b)
+    x = batches(4)[3]
+    ours = sm.apply(state.params, input_ids=x).logits.detach()
+    ff.checkpoint.export_peft_adapter(sm, state.params, adapter_dir)
+    ff.checkpoint.export_merged(sm, state.params, merged_dir)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(quantized(path), adapter_dir)
+    out = {"adapter_logits_diff": (loaded(input_ids=x).logits - ours).abs().max().item()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged_peft = loaded.merge_and_unload()  # dequantize, add B @ A, quantize again
+    written = load_file(os.path.join(merged_dir, "model.safetensors"))
+    out["keys"] = sorted(written) == sorted(
+        k for k in merged_peft.state_dict() if "weight." not in k
+    )
+    import bitsandbytes.functional as F
+
+    requantized, plain = [], []
+    for name, m in merged_peft.named_modules():
+        if type(m).__name__ == "Linear4bit":
+            qs = m.weight.quant_state
+            packed, mine = F.quantize_4bit(
+                written[name + ".weight"],
+                blocksize=qs.blocksize,
+                compress_statistics=qs.nested,
+                quant_type=qs.quant_type,
+            )
+            requantized.append(
+                torch.equal(packed, m.weight.data) and torch.equal(mine.absmax, qs.absmax)
+            )
+    for name, p in merged_peft.named_parameters():
+        if type(p).__name__ != "Params4bit":
+            plain.append(torch.equal(written[name], p.detach()))
+    out["merged_requantized_bitwise"] = requantized
+    out["merged_plain_bitwise"] = plain
     return out

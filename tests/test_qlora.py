@@ -139,3 +139,18 @@ def test_gloo_shardwise_quantized_load_is_bitwise_bitsandbytes(
         print({k: out[k] for k in ("peak", "shards", "whole_stored", "largest_fp32", "whole_fp32")})
         assert out["peak"] <= out["shards"] + out["largest_fp32"] / 2 + 2**16, out
         assert out["peak"] < out["whole_stored"], out
+
+
+# --------------------------------------------------------------------------- export
+
+
+def test_gloo_export_adapter_and_merged_model_of_a_4bit_run(pools, tiny_dir, tmp_path):
+    """The adapter loads with PeftModel.from_pretrained over the bitsandbytes base and gives
+    the trained logits; the merged model (written dequantized) is what peft's
+    merge_and_unload() computes: quantized again by bitsandbytes it is bitwise peft's merged
+    4-bit weights."""
+    adapter, merged = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    r = pools.run(2, W.export_4bit, tiny_dir, adapter, merged)[0]
+    assert r["adapter_logits_diff"] <= 1e-5, r
+    assert r["keys"] and all(r["merged_requantized_bitwise"]) and all(r["merged_plain_bitwise"])
+    assert len(r["merged_requantized_bitwise"]) == 14, r
