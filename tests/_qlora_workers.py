@@ -17,6 +17,7 @@ from torch import nn
 
 import functional_fsdp as ff
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 96
 LR = 1e-2

@@ -154,3 +154,21 @@ def test_gloo_export_adapter_and_merged_model_of_a_4bit_run(pools, tiny_dir, tmp
     assert r["adapter_logits_diff"] <= 1e-5, r
     assert r["keys"] and all(r["merged_requantized_bitwise"]) and all(r["merged_plain_bitwise"])
     assert len(r["merged_requantized_bitwise"]) == 14, r
+
+
+def test_data_without_the_text_field_is_refused_naming_the_fields(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(W.EXAMPLES))
+    example = importlib.import_module("finetune_lora")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"body": "hello", "id": 1}\n')
+    with pytest.raises(
+        SystemExit,
+        match=rf"^--data {data}: the records have no field 'text'; their fields are "
+        r"\['body', 'id'\]\. Pass --text-field with the one that holds the text\.$",
+    ):
+        example.load_texts(str(data), "text")
+    assert example.load_texts(str(data), "body") == ["hello"]
+    sys.modules.pop("finetune_lora", None)

@@ -154,10 +154,11 @@ def _rebuild(module: nn.Module, path: str, copies: dict[str, nn.Module]) -> nn.M
     return c
 
 
-def shallow_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with its own parameter, buffer and child dicts (values shared);
-    an instance-level forward bound to ``module`` is bound to the copy."""
-    c = object.__new__(type(module))
+def shallow_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A copy of ``module`` (of class ``cls``, default its own) with its own parameter, buffer
+    and child dicts (values shared); an instance-level forward bound to ``module`` is bound to
+    the copy."""
+    c = object.__new__(cls or type(module))
     d = module.__dict__.copy()
     d["_parameters"] = dict(module._parameters)
     d["_buffers"] = dict(module._buffers)

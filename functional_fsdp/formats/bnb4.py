@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import types
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -231,6 +230,30 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _Matmul4bit.apply(x, self.weight, nested, bias, state).to(inp_dtype)
 
 
+def _zero_init(self: nn.Module) -> None:
+    """A storage copy's ``reset_parameters``: zero bytes, until a checkpoint is loaded (a
+    quantized base is never initialised, only loaded)."""
+    with torch.no_grad():
+        for p in self._parameters.values():
+            if p is not None and p.dtype == torch.uint8:
+                p.zero_()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _stored_class(cls: type) -> type:
+    """A subclass of a bitsandbytes layer class for its storage copies: ``forward`` computes
+    from the packed rows, ``reset_parameters`` leaves them to a load (``ff.init_sharded``)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            f"Stored{cls.__name__}",
+            (cls,),
+            {"forward": _forward, "reset_parameters": _zero_init, "__module__": __name__},
+        )
+    return _CLASSES[cls]
+
+
 class Bnb4:
     """The format adapter for ``bitsandbytes.nn.Linear4bit`` (see the module docstring)."""
 
@@ -264,7 +287,7 @@ class Bnb4:
 
         weight = module.weight
         qs = weight.quant_state
-        c = shallow_copy(module)
+        c = shallow_copy(module, _stored_class(type(module)))
         if qs is None and weight.is_meta:
             state = State(
                 shape=torch.Size(weight.shape),
@@ -293,9 +316,13 @@ class Bnb4:
         c._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
         if state.nested:
             c._parameters["weight_nested"] = nn.Parameter(nested, requires_grad=False)
+        for p in c._parameters.values():  # never initialised by transformers' _init_weights
+            if p is not None and p.dtype == torch.uint8:
+                p._is_hf_initialized = True  # type: ignore[attr-defined]
         c.__dict__["_ff_format"] = self
         c.__dict__["_ff_state"] = state
-        c.__dict__["forward"] = types.MethodType(_forward, c)
+        c.__dict__.pop("forward", None)  # the class's: dequantizing
+        c.__dict__["_is_hf_initialized"] = True  # loaded, never initialised by transformers
         return c
 
     def load(
