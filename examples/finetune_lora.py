@@ -17,11 +17,26 @@ The real user's path, end to end, with no rank ever holding the whole model:
 Nothing is downloaded: without ``--model`` a small Llama is built from a config and saved with
 ``save_pretrained`` (it stands in for a downloaded checkpoint), trained on Python's bundled
 documentation with a character vocabulary. ``--model PATH`` takes a real local checkpoint
-(its tokenizer is read from the same folder).
+(its tokenizer is read from the same folder with ``AutoTokenizer``).
+
+``--data PATH`` trains on a local dataset read by ``datasets`` (``.jsonl``/``.json``, ``.txt``
+or ``.parquet``; the text is in the field ``--text-field``): texts are tokenized, joined with
+the end-of-sequence token and packed into ``--block-size`` sequences, read in order; the global
+batch of step ``i`` starts at sequence ``i * batch_size``, so the step saved in a checkpoint is
+the data position and ``--resume`` continues exactly. Without ``--model``, a tokenizer is
+trained on that text with ``tokenizers`` and saved beside the tiny Llama, so the tokenizer is
+read back with ``AutoTokenizer`` as a real one would be.
+
+``--quantize nf4`` is the QLoRA recipe (``BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)``,
+LoRA dropout 0.05): the base's linear layers become bitsandbytes 4-bit layers on ``meta``, each
+rank quantizes its own blocks while reading the checkpoint, and the packed 4-bit bytes are what
+is sharded and gathered.
 
     torchrun --nproc-per-node 2 examples/finetune_lora.py
     torchrun --nproc-per-node 2 examples/finetune_lora.py --resume        # continue
     torchrun --nproc-per-node 4 examples/finetune_lora.py --mesh dp=2,tp=2
+    torchrun --nproc-per-node 2 examples/finetune_lora.py --quantize nf4 --data train.jsonl
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import math
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +77,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--out", default=None, help="where the adapter goes (default: <checkpoint-dir>/adapter)"
     )
+    p.add_argument(
+        "--quantize",
+        choices=("none", "nf4", "fp4"),
+        default="none",
+        help="a 4-bit frozen base (bitsandbytes; nf4 is the QLoRA recipe)",
+    )
+    p.add_argument("--data", default=None, help="a local .jsonl/.json/.txt/.parquet dataset")
+    p.add_argument("--text-field", default="text", help="the field of --data holding the text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-tokens", type=int, default=200)
     add_device_arg(p)
@@ -107,9 +131,85 @@ def lora_init(module: torch.nn.Module) -> None:
             module.reset_lora_parameters(name, True)
 
 
+DATA_KINDS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+
+
+def load_texts(path: str, field: str) -> list[str]:
+    """The texts of a local dataset file, read by ``datasets`` (nothing from a hub)."""
+    from datasets import load_dataset
+
+    kind = DATA_KINDS.get(os.path.splitext(path)[1])
+    if kind is None:
+        raise SystemExit(
+            f"--data {path}: unknown file type; use one of {sorted(DATA_KINDS)} (JSON lines, "
+            f"plain text with one text per line, or parquet)."
+        )
+    if not os.path.exists(path):
+        raise SystemExit(f"--data {path}: no such file.")
+    records = load_dataset(kind, data_files=path, split="train")
+    if field not in records.column_names:
+        raise SystemExit(
+            f"--data {path}: the records have no field {field!r}; their fields are "
+            f"{records.column_names}. Pass --text-field with the one that holds the text."
+        )
+    return [t for t in records[field] if t]
+
+
+def train_tokenizer(texts: list[str], path: str) -> None:
+    """A byte-level BPE tokenizer trained with ``tokenizers`` on ``texts``, saved to ``path``
+    so that ``AutoTokenizer.from_pretrained(path)`` reads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(path)
+
+
+def packed(texts: list[str], tokenizer: Any) -> torch.Tensor:
+    """All texts tokenized and joined by the end-of-sequence token: one stream to pack."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def packed_batch(stream: torch.Tensor, step: int, args: argparse.Namespace) -> torch.Tensor:
+    """The global batch of ``step``: sequences ``step * batch_size`` onwards of the packed
+    stream, in order (wrapping around): the step is the data position."""
+    n = max(1, (len(stream) - 1) // args.block_size)
+    rows = [(step * args.batch_size + j) % n for j in range(args.batch_size)]
+    return torch.stack([stream[r * args.block_size : (r + 1) * args.block_size] for r in rows])
+
+
+def bnb_config(args: argparse.Namespace) -> Any:
+    """The QLoRA recipe's quantization config."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_quant_type=args.quantize,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
 def batch_at(data: torch.Tensor, step: int, args: argparse.Namespace) -> torch.Tensor:
     """The global batch of ``step``: a pure function of the step, so a resumed run sees the
     same data as an uninterrupted one."""
+    if args.data is not None:
+        return packed_batch(data, step, args)
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     starts = torch.randint(0, len(data) - args.block_size - 1, (args.batch_size,), generator=gen)
     return torch.stack([data[s : s + args.block_size] for s in starts.tolist()])
@@ -125,12 +225,26 @@ def main() -> None:
     # 1. The pretrained checkpoint: a real local one, or a tiny stand-in written by rank 0.
     text_ids, chars = load_text()
     path = args.model
-    if path is None:
+    if args.data is not None:
+        texts = load_texts(args.data, args.text_field)
+        if path is None:  # a tiny Llama and a tokenizer trained on the data, beside it
+            stat = os.stat(args.data)
+            path = os.path.join(
+                tempfile.gettempdir(), f"ff-tiny-llama-data-{stat.st_size}-{int(stat.st_mtime)}"
+            )
+            if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+                train_tokenizer(texts, path)
+                size = len(AutoTokenizer.from_pretrained(path))
+                tiny_llama(path, vocab_size=-(-size // 8) * 8)
+            dist.barrier()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        data = packed(texts, tokenizer)
+    elif path is None:
         path = os.path.join(tempfile.gettempdir(), f"ff-tiny-llama-{len(chars)}")
         if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
             tiny_llama(path, vocab_size=-(-len(chars) // 8) * 8)  # a multiple of 8 for tp
         dist.barrier()
-        tokenizer: object = CharTokenizer(chars)
+        tokenizer: Any = CharTokenizer(chars)
         data = text_ids
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -142,7 +256,20 @@ def main() -> None:
     config.use_cache = False
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=args.targets.split(","))
+    dropout = 0.0
+    if args.quantize != "none":  # the base's linear layers as bitsandbytes 4-bit, on meta
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+        base = replace_with_bnb_linear(
+            base, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(args)
+        )
+        dropout = 0.05
+    lora = LoraConfig(
+        r=args.rank,
+        lora_alpha=2 * args.rank,
+        target_modules=args.targets.split(","),
+        lora_dropout=dropout,
+    )
     model = get_peft_model(base, lora)
     mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}), device_type=device.type)
     bf16 = args.mixed_precision == "bf16"
@@ -220,12 +347,16 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def sample(path: str, adapter: str, tokenizer: object, args: argparse.Namespace) -> None:
+def sample(path: str, adapter: str, tokenizer: Any, args: argparse.Namespace) -> None:
     """Reload the base model and the exported adapter in this process and generate."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), adapter).eval()
+    quantized = {}
+    if args.quantize != "none":
+        quantized = dict(quantization_config=bnb_config(args), device_map="cpu")
+    base = AutoModelForCausalLM.from_pretrained(path, **quantized)
+    model = PeftModel.from_pretrained(base, adapter).eval()
     prompt = torch.tensor([tokenizer.encode("The ")])  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
     with torch.no_grad():

@@ -88,3 +88,41 @@ def test_finetune_lora_trains_exports_and_resumes_exactly(tmp_path):
     assert "resumed at step 2" in out, out
     resumed = re.search(r"steps 2\.\.4: loss [\d.]+ -> ([\d.]+)", out)
     assert resumed and resumed.group(1) == first.group(2), out
+
+
+def test_finetune_lora_qlora_on_local_jsonl_resumes_exactly(tmp_path):
+    """The QLoRA recipe (--quantize nf4) on a JSONL file read by datasets, with a tokenizer
+    trained on it; the resumed run ends on the uninterrupted run's loss."""
+    import json
+
+    data = tmp_path / "train.jsonl"
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "hex",
+    ]
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"text": " ".join(words[i % 5 :] + words[: i % 7])}) + "\n")
+    ckpt = str(tmp_path / "ckpt")
+    args = ["--steps", "3", "--save-every", "2", "--checkpoint-dir", ckpt, "--sample-tokens", "4"]
+    args += ["--quantize", "nf4", "--data", str(data), "--batch-size", "4", "--block-size", "32"]
+    out = _torchrun("examples/finetune_lora.py", *args)
+    first = re.search(r"steps 0\.\.3: loss ([\d.]+) -> ([\d.]+)", out)
+    assert first, out
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000003")
+    out = _torchrun("examples/finetune_lora.py", *args, "--resume")
+    assert "resumed at step 2" in out, out
+    resumed = re.search(r"steps 2\.\.3: loss [\d.]+ -> ([\d.]+)", out)
+    assert resumed and resumed.group(1) == first.group(2), out

@@ -31,6 +31,7 @@ import torch
 from .._partition import mark_frozen
 from ..distributed.mesh import axis_sizes
 from ..distributed.simulate import per_coordinate
+from ..formats import stored_param
 from ..sharded import Sharded
 from ..spec import Layout
 from ._common import (
@@ -155,6 +156,19 @@ def _read_into(f: BinaryIO, buffer: torch.Tensor, offset: int, file: str) -> Non
         done += n
 
 
+def _read_rows(f: BinaryIO, stored: _Stored, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of dim 0 of a stored tensor, in its own dtype (a scalar whole)."""
+    if not stored.shape:
+        raw = torch.empty((), dtype=stored.dtype)
+        _read_into(f, raw, stored.start, stored.file)
+        return raw
+    row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+    raw = torch.empty((stop - start, *stored.shape[1:]), dtype=stored.dtype)
+    if raw.numel():
+        _read_into(f, raw, stored.start + start * row_bytes, stored.file)
+    return raw
+
+
 def _read_block(
     f: BinaryIO,
     stored: _Stored,
@@ -243,11 +257,26 @@ def load_safetensors(
             f"{what}: names= lists {unknown[:5]}, which are not parameters of "
             f"{type(sm.module).__name__} (names look like {list(module_params)[:3]})."
         )
+    quantized = []  # a quantized base's layers: read unquantized, quantized shard-wise
     for name, alias_names in aliases(sm.module).items():
         if wanted is not None and name not in wanted:
             continue
+        found = stored_param(sm.module, name)
+        if found is not None and name.endswith("_nested"):
+            continue  # the quantization state is made with its weight
         key = _find(what, alias_names, rename_fn, stored, where)
         entry, p = stored[key], module_params[name]
+        if found is not None:
+            fmt, layer, _ = found
+            shape = tuple(layer._ff_state.shape)
+            if entry.shape != shape and key + ".absmax" not in stored:  # else saved quantized
+                raise ValueError(
+                    f"{what}: {key!r} in {entry.file!r} has shape {entry.shape}, but the model's "
+                    f"quantized layer {name!r} was {shape}. Check rename= and that the "
+                    f"checkpoint belongs to this model's config."
+                )
+            quantized.append((name, key, fmt, layer))
+            continue
         if entry.shape != tuple(p.shape):
             raise ValueError(
                 f"{what}: {key!r} in {entry.file!r} has shape {entry.shape}, but the model's "
@@ -269,6 +298,17 @@ def load_safetensors(
                 lambda c, e=entry, lay=layout, w=want, d=device: _read_block(f, e, lay, c, w, d),
             )
             out[name] = Sharded(local, entry.shape, layout.spec, sm.mesh)
+        for name, key, fmt, layer in quantized:
+
+            def read(k: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+                """Rows ``start:stop`` (default: all) of the stored tensor ``k``."""
+                e = stored[k]
+                if e.file not in files:
+                    files[e.file] = open(e.file, "rb")  # noqa: SIM115 (closed below)
+                rows = e.shape[0] if e.shape else 0
+                return _read_rows(files[e.file], e, start or 0, rows if stop is None else stop)
+
+            out.update(fmt.load(sm, name, layer, key, set(stored), read, dtype))
     finally:
         for f in files.values():
             f.close()

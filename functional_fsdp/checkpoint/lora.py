@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..formats import stored_param
 from ..resharding import gather
 from ..sharded import Sharded
 from ._common import (
@@ -209,7 +210,8 @@ def _merges(what: str, module: Any, adapter_name: str) -> dict[str, tuple[str, s
                 f"with export_peft_adapter and merge it with peft's merge_and_unload()."
             )
         scaling = float(layer.scaling[adapter_name])
-        if type(layer) is lora.Linear:
+        bnb4 = getattr(getattr(lora, "bnb", None), "Linear4bit", None)  # peft's, over 4-bit
+        if type(layer) is lora.Linear or (bnb4 is not None and type(layer) is bnb4):
             a, b = f"{path}.lora_A.{adapter_name}.weight", f"{path}.lora_B.{adapter_name}.weight"
             out[f"{path}.base_layer.weight"] = (a, b, scaling, bool(layer.fan_in_fan_out))
         elif type(layer) is lora.Embedding:
@@ -227,14 +229,31 @@ def _merges(what: str, module: Any, adapter_name: str) -> dict[str, tuple[str, s
     return out
 
 
-def _merged(w: str, a: str, b: str, scaling: float, transpose: bool) -> Callable[..., Any]:
+def _merged(
+    weight_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    a: str,
+    b: str,
+    scaling: float,
+    transpose: bool,
+) -> Callable[..., Any]:
     def make(g: dict[str, torch.Tensor]) -> torch.Tensor:
-        weight, lora_a, lora_b = g[w], g[a], g[b]
+        weight, lora_a, lora_b = weight_of(g), g[a], g[b]
         if weight.dtype in (torch.float16, torch.bfloat16) and weight.device.type == "cpu":
             lora_a, lora_b = lora_a.float(), lora_b.float()  # as peft merges on the CPU
         delta = lora_b @ lora_a
         delta = (delta.T if transpose else delta) * scaling
         return weight + delta.to(weight.dtype)
+
+    return make
+
+
+def _dequantized(fmt: Any, layer: Any, key: str) -> Callable[..., Any]:
+    """The full weight of a quantized layer from its gathered parameters."""
+    prefix = key[: -len("weight")]
+
+    def make(g: dict[str, torch.Tensor]) -> torch.Tensor:
+        mine = {k[len(prefix) :]: v for k, v in g.items() if k.startswith(prefix + "weight")}
+        return fmt.dequantize(layer, mine)
 
     return make
 
@@ -283,17 +302,24 @@ def export_merged(
             if first[key] != key:
                 continue  # a tied name: written once, as save_pretrained does
             p = params[key]
+            shape, out_dtype = p.global_shape, _cast(p.local, dtype)
             needs: tuple[str, ...] = (key,)
             make: Callable[..., Any] = operator.itemgetter(key)
+            found = stored_param(sm.module, key)
+            if found is not None:  # a quantized base: written dequantized (formats/)
+                fmt, layer, attr = found
+                if attr != "weight":
+                    continue  # its quantization state: part of the weight's dequantization
+                state = layer._ff_state
+                shape, out_dtype = tuple(state.shape), dtype or state.dtype
+                needs = tuple(k for k in (key, key + "_nested") if k in params)
+                make = _dequantized(fmt, layer, key)
             if key in merges:
                 a, b, scaling, transpose = merges[key]
-                needs = (key, first[a], first[b])
-                make = _merged(key, first[a], first[b], scaling, transpose)
-            outs.append(
-                OutTensor(
-                    name, p.global_shape, _cast(p.local, dtype), unit_of(key, sm.units), needs, make
-                )
-            )
+                weight_of = make
+                needs = (*needs, first[a], first[b])
+                make = _merged(weight_of, first[a], first[b], scaling, transpose)
+            outs.append(OutTensor(name, shape, out_dtype, unit_of(key, sm.units), needs, make))
         elif key in kept:
             outs.append(
                 OutTensor(

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._partition import mark_frozen
 from ..distributed.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import is_shapes_only
+from ..formats import storage_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
 from ..spec import P, did_you_mean, format_mesh
@@ -429,6 +430,8 @@ def fsdp(
             f"{format_mesh(axis_sizes(mesh))}{did_you_mean(unknown[0], names)}. Name the mesh "
             f"axes that split the batch, some of {names}."
         )
+    # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/).
+    module = storage_view(module, wrappers)
     if trainable is not None:
         _check_trainable_dtypes(module, trainable_names(module, trainable))
     return FSDP(

@@ -1,0 +1,180 @@
+"""Formats of frozen weights: a quantized base is stored, sharded and gathered packed.
+
+A format is one adapter (:class:`Format`) in one file: it recognises its layers, turns one into
+a *storage copy* (a shallow copy of the layer whose weight is a plain tensor of whole
+quantization blocks, one block per row, with the block's scale in the same row, and whose
+forward dequantizes inside the unit), dequantizes for export, and quantizes rows for
+shard-wise loading. The engine sees ordinary frozen integer parameters: it shards them at rest
+over the data axes (rows, so blocks and their scales stay together), all-gathers the packed
+bytes per unit and frees them after use; nothing else in the engine knows about formats.
+
+Registered: :mod:`~functional_fsdp.formats.bnb4` (bitsandbytes NF4/FP4, with or without double
+quantization). A second format (torchao's ``NF4Tensor``) is one more file and one line in
+:data:`FORMATS`.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class Format(Protocol):
+    """What a format adapter provides (see :mod:`functional_fsdp.formats.bnb4`)."""
+
+    name: str
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a layer of this format, quantized and ready."""
+        ...
+
+    def refuse(self, module: nn.Module, path: str) -> None:
+        """Raise a clear error for a layer of this family that is not supported."""
+        ...
+
+    def storage(self, module: nn.Module) -> nn.Module:
+        """A shallow copy of ``module`` whose weight holds whole blocks, one per row."""
+        ...
+
+    def load(
+        self,
+        sm: Any,
+        name: str,
+        module: nn.Module,
+        key: str,
+        keys: Collection[str],
+        read: Callable[..., torch.Tensor],
+        dtype: torch.dtype | None,
+    ) -> dict[str, Any]:
+        """``{name: Sharded, ...}``: the layer's parameters read shard-wise from a checkpoint
+        (``key`` its weight's key among ``keys``; ``read(key, start, stop)`` reads rows of a
+        stored tensor): quantized by each rank from an unquantized weight (in ``dtype``,
+        default the layer's), or read as saved quantized. A collective call."""
+        ...
+
+    def dequantize(self, module: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The full weight (``module`` a storage copy, ``params`` its gathered parameters
+        by attribute name, e.g. ``{"weight": rows, "weight_nested": ...}``)."""
+        ...
+
+
+def _formats() -> list[Format]:
+    from . import bnb4
+
+    return [bnb4.FORMAT]
+
+
+def is_stored(module: nn.Module) -> bool:
+    """Whether ``module`` is a storage copy made by a format (its weight is packed rows)."""
+    return getattr(module, "_ff_format", None) is not None
+
+
+def stored_param(module: nn.Module, name: str) -> tuple[Format, nn.Module, str] | None:
+    """``(format, storage copy, attribute)`` when parameter ``name`` of ``module`` belongs to
+    a storage copy (its packed weight or quantization state); else ``None``."""
+    path, _, attr = name.rpartition(".")
+    try:
+        layer = module.get_submodule(path) if path else module
+    except AttributeError:
+        return None
+    fmt = getattr(layer, "_ff_format", None)
+    return None if fmt is None else (fmt, layer, attr)
+
+
+def quantized_layers(module: nn.Module) -> dict[str, Format]:
+    """``{path: format}`` of the quantized layers of ``module`` (storage copies included)."""
+    found: dict[str, Format] = {}
+    formats = _formats()
+    for path, m in module.named_modules():
+        fmt = getattr(m, "_ff_format", None)
+        if fmt is not None:
+            found[path] = fmt
+            continue
+        for f in formats:
+            f.refuse(m, path)
+            if f.matches(m):
+                found[path] = f
+    return found
+
+
+def storage_view(module: nn.Module, wrappers: Sequence[tuple[str, Any]] = ()) -> nn.Module:
+    """``module`` itself when it has no quantized layer; otherwise a shallow copy of its tree
+    in which every quantized layer is its format's storage copy (the user's module is never
+    changed: parameters, buffers and unquantized modules are shared, only the module objects
+    on the way to a quantized layer are copied).
+
+    Raises:
+        ValueError: if a wrapper (a tensor-parallel style) targets a quantized layer, or a
+            layer of a quantized family is not supported (e.g. 8-bit).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> storage_view(model) is model  # nothing quantized
+        True
+    """
+    layers = {p: f for p, f in quantized_layers(module).items() if not is_stored(_get(module, p))}
+    for path, _ in wrappers:
+        for q in quantized_layers(module):
+            if path == q or path.startswith(q + ".") or (path and q.startswith(path + ".")):
+                raise ValueError(
+                    f"tensor parallelism over a 4-bit layer is not supported: {q!r} is "
+                    f"quantized ({type(_get(module, q)).__name__}) and a tensor-parallel style "
+                    f"targets {path!r}. Leave the quantized layers out of the tensor-parallel "
+                    f"plan (shard them over the data axes only), or load the base unquantized."
+                )
+    if not layers:
+        return module
+    copies: dict[str, nn.Module] = {}
+    for path, fmt in layers.items():
+        copies[path] = fmt.storage(_get(module, path))
+    return _rebuild(module, "", copies)
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    return module.get_submodule(path) if path else module
+
+
+def _rebuild(module: nn.Module, path: str, copies: dict[str, nn.Module]) -> nn.Module:
+    """A copy of ``module`` with the modules at ``copies``' paths replaced (shared modules
+    are copied once per path; modules on no replaced path are shared)."""
+    if path in copies:
+        return copies[path]
+    prefix = path + "." if path else ""
+    if not any(p.startswith(prefix) for p in copies):
+        return module
+    c = shallow_copy(module)
+    for name, child in module._modules.items():
+        if child is not None:
+            c._modules[name] = _rebuild(child, prefix + name, copies)
+    return c
+
+
+def shallow_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A copy of ``module`` (of class ``cls``, default its own) with its own parameter, buffer
+    and child dicts (values shared); an instance-level forward bound to ``module`` is bound to
+    the copy."""
+    c = object.__new__(cls or type(module))
+    d = module.__dict__.copy()
+    d["_parameters"] = dict(module._parameters)
+    d["_buffers"] = dict(module._buffers)
+    d["_modules"] = dict(module._modules)
+    own = d.get("forward")
+    if isinstance(own, types.MethodType) and own.__self__ is module:
+        d["forward"] = types.MethodType(own.__func__, c)
+    object.__setattr__(c, "__dict__", d)
+    return c
+
+
+__all__ = [
+    "Format",
+    "is_stored",
+    "quantized_layers",
+    "shallow_copy",
+    "storage_view",
+    "stored_param",
+]

@@ -1,0 +1,253 @@
+"""Worker functions for the 4-bit (QLoRA) tests: real gloo processes and one-process references.
+
+Every model here is a tiny Llama saved in fp32 to a directory and loaded back quantized by
+``from_pretrained(dir, quantization_config=..., device_map="cpu")``, then wrapped by peft's
+``get_peft_model``: the bytes a rank holds are the bytes bitsandbytes produced.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+import functional_fsdp as ff
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VOCAB = 96
+LR = 1e-2
+
+
+def bnb_config(quant_type: str = "nf4", double: bool = True) -> Any:
+    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double`` varied)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def save_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
+    """A tiny fp32 Llama saved with ``save_pretrained`` to ``path`` (in one process:
+    transformers writes the config only from the main process of a process group)."""
+    from transformers import LlamaForCausalLM
+
+    from ._hf import tiny_llama_config
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, **overrides))
+    model.save_pretrained(path)
+    return path
+
+
+def quantized(path: str, quant_type: str = "nf4", double: bool = True) -> nn.Module:
+    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(quant_type, double), device_map="cpu"
+        )
+
+
+def qlora(path: str, quant_type: str = "nf4", double: bool = True, seed: int = 1) -> nn.Module:
+    """peft LoRA (the seed's targets, r=8, alpha=16, no dropout) over the 4-bit model."""
+    from peft import LoraConfig, get_peft_model
+
+    base = quantized(path, quant_type, double)
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+    )
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.simplefilter("ignore")
+        return get_peft_model(base, lora)
+
+
+def batches(steps: int, rows: int = 4, length: int = 9) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (rows, length), generator=g) for _ in range(steps)]
+
+
+def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
+    """``steps`` AdamW steps of ff.train_step on 2 gloo ranks (global batch split by rank) vs
+    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch."""
+    model, ref = qlora(path, quant_type, double), qlora(path, quant_type, double)
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(model, mesh)
+    opt = ff.adamw(LR, weight_decay=0.0)
+
+    def loss_fn(p: dict, b: torch.Tensor) -> torch.Tensor:
+        return sm.apply(p, input_ids=b, labels=b).loss
+
+    step = ff.train_step(loss_fn, opt, model=sm)
+    params = sm.shard()
+    state = ff.TrainState.create(params, opt, trainable=sm)
+    names = state.trainable
+    base = sorted(k for k in params if k.endswith("base_layer.weight"))
+    out: dict = {
+        "base_dtypes": sorted({str(params[k].dtype) for k in base}),
+        "base_local_rows": {k: tuple(params[k].local.shape) for k in base[:2]},
+        "base_global": {k: tuple(params[k].global_shape) for k in base[:2]},
+        "base_trainable": [k for k in base if k in names],
+        "mu_base": [k for k in state.opt_state[0].mu if k in base],
+    }
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+    )
+    theirs = dict(ref.named_parameters())
+    out["loss"], out["ref_loss"], out["grad_diff"] = [], [], None
+    for i, b in enumerate(batches(steps)):
+        if i == 0:  # gradients of the first step, before any update
+            tr, fr = ff.partition(params, names)
+            grads = torch.func.grad(
+                lambda t: loss_fn(ff.combine(t, fr), b.chunk(2)[torch.distributed.get_rank()])
+            )(tr)
+        with ff.count_comms() as comms:
+            state, metrics = step(state, b)
+        ref_loss = ref(input_ids=b, labels=b).loss
+        ref_loss.backward()
+        if i == 0:
+            full = ff.gather(grads)
+            out["grad_diff"] = max((full[k] - theirs[k].grad).abs().max().item() for k in names)
+            out["grad_scale"] = max(theirs[k].grad.abs().max().item() for k in names)
+            out["base_gather_bytes"] = sum(  # the packed rows are the only uint8 values
+                r.bytes for r in comms.records if r.kind == "all_gather" and r.dtype == torch.uint8
+            )
+            out["rs_bytes"] = sum(r.bytes for r in comms.records if r.kind == "reduce_scatter")
+        torch_opt.step()
+        torch_opt.zero_grad()
+        out["loss"].append(float(metrics["loss"]))
+        out["ref_loss"].append(ref_loss.item())
+    full = ff.gather(state.params)
+    out["param_diff"] = max((full[k] - theirs[k].detach()).abs().max().item() for k in names)
+    out["base_bitwise"] = all(
+        torch.equal(state.params[k].local, params[k].local) and state.params[k] is params[k]
+        for k in base
+    )
+    # The same base in bf16, for the all-gather bytes: each 4-bit layer's weight as bf16.
+    out["bf16_base_bytes"] = sum(
+        m.weight.quant_state.shape.numel() * 2
+        for n, m in model.named_modules()
+        if n.endswith("base_layer")
+    )
+    out["user_module_untouched"] = all(
+        type(m.weight).__name__ == "Params4bit"
+        for n, m in model.named_modules()
+        if n.endswith("base_layer")
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- loading
+
+# Layers of 256 and 512 blocks: double quantization's nested absmax has 1 and 2 groups of 256.
+LOAD_CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+
+
+def _local_equal(a: dict, b: dict) -> list[str]:
+    """Names whose local shards differ (bitwise)."""
+    return sorted(k for k in b if k not in a or not torch.equal(a[k].local, b[k].local))
+
+
+def load_shardwise(path: str, saved_4bit: str, quant_type: str, double: bool) -> dict:
+    """Shard-wise quantized loading from an fp32 directory on 2 gloo ranks, into (a) the
+    description of a model quantized by from_pretrained on every rank and (b) a model on the
+    meta device made 4-bit by transformers' replace_with_bnb_linear; both against the bytes
+    of from_pretrained(quantization_config=...) sharded by FSDP.shard(). ``saved_4bit`` holds
+    the same model saved already quantized (save_pretrained of the 4-bit model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from ._deferred_workers import peak_allocated
+
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(quantized(path, quant_type, double), mesh)
+    ref = sm.shard()
+    out: dict = {"names": sorted(ref)}
+    out["from_quantized"] = _local_equal(ff.checkpoint.load_safetensors(sm, path), ref)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    meta = replace_with_bnb_linear(  # from_pretrained leaves the head unquantized too
+        meta, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(quant_type, double)
+    )
+    sm_meta = ff.fsdp(meta, mesh)
+    loaded, peak = peak_allocated(lambda: ff.checkpoint.load_safetensors(sm_meta, path))
+    out["from_meta"] = _local_equal(loaded, ref)
+    saved = ff.checkpoint.load_safetensors(sm_meta, saved_4bit)
+    out["from_saved_4bit"] = _local_equal(saved, ref)
+    out["peak"] = peak
+    out["shards"] = sum(v.local.numel() * v.local.element_size() for v in loaded.values())
+    out["whole_stored"] = sum(
+        math.prod(v.global_shape) * v.local.element_size() for v in loaded.values()
+    )
+    fp32 = {n: p for n, p in AutoModelForCausalLM.from_config(meta.config).named_parameters()}
+    out["largest_fp32"] = max(p.numel() * 4 for p in fp32.values())
+    out["whole_fp32"] = sum(p.numel() * 4 for p in fp32.values())
+    return out
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
+    """3 steps on 2 gloo ranks, then the peft adapter and the merged model exported; rank 0
+    loads them back with peft + bitsandbytes and compares."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    mesh = ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(qlora(path), mesh)
+    opt = ff.adamw(LR)
+    step = ff.train_step(lambda p, b: sm.apply(p, input_ids=b, labels=b).loss, opt, model=sm)
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm)
+    for b in batches(3):
+        state, _ = step(state, b)
+    x = batches(4)[3]
+    ours = sm.apply(state.params, input_ids=x).logits.detach()
+    ff.checkpoint.export_peft_adapter(sm, state.params, adapter_dir)
+    ff.checkpoint.export_merged(sm, state.params, merged_dir)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(quantized(path), adapter_dir)
+    out = {"adapter_logits_diff": (loaded(input_ids=x).logits - ours).abs().max().item()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged_peft = loaded.merge_and_unload()  # dequantize, add B @ A, quantize again
+    written = load_file(os.path.join(merged_dir, "model.safetensors"))
+    out["keys"] = sorted(written) == sorted(
+        k for k in merged_peft.state_dict() if "weight." not in k
+    )
+    import bitsandbytes.functional as F
+
+    requantized, plain = [], []
+    for name, m in merged_peft.named_modules():
+        if type(m).__name__ == "Linear4bit":
+            qs = m.weight.quant_state
+            packed, mine = F.quantize_4bit(
+                written[name + ".weight"],
+                blocksize=qs.blocksize,
+                compress_statistics=qs.nested,
+                quant_type=qs.quant_type,
+            )
+            requantized.append(
+                torch.equal(packed, m.weight.data) and torch.equal(mine.absmax, qs.absmax)
+            )
+    for name, p in merged_peft.named_parameters():
+        if type(p).__name__ != "Params4bit":
+            plain.append(torch.equal(written[name], p.detach()))
+    out["merged_requantized_bitwise"] = requantized
+    out["merged_plain_bitwise"] = plain
+    return out
