@@ -41,7 +41,10 @@ def test_the_catalogue_has_at_least_30_distinct_cases():
     assert sum(c.real for c in W.CASES) >= 15
 
 
-@pytest.mark.parametrize("case", W.CASES, ids=[c.id for c in W.CASES])
+IN_PROCESS = [c for c in W.CASES if c.where != "real"]
+
+
+@pytest.mark.parametrize("case", IN_PROCESS, ids=[c.id for c in IN_PROCESS])
 def test_bad_input_raises_a_clear_error(case: W.Case, shared_tmp: Path):
     ctx_tmp = shared_tmp / case.id
     ctx_tmp.mkdir()
@@ -68,7 +71,7 @@ def test_bad_inputs_on_real_gloo_processes(pools, shared_tmp: Path):
     for case in cases:
         for rank, results in enumerate(per_rank):
             name, message, is_expected_type = results[case.id]
-            if not is_expected_type or not re.search(case.pattern, message, re.S):
+            if not is_expected_type or not re.search(case.real_pattern, message, re.S):
                 failures.append(f"{case.id} on rank {rank}: {name}: {message}")
     assert not failures, "\n".join(failures)
 

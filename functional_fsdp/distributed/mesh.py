@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..spec import did_you_mean, format_mesh
+from . import restarts
 
 
 class Axis(str, enum.Enum):
@@ -238,7 +239,7 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = chosen or DEFAULT_TIMEOUT
-    dist.init_process_group(backend, timeout=chosen)
+    restarts.init_process_group(backend, chosen)  # a torchrun restart as well as the start
     _use_timeout(chosen)
     return device
 
