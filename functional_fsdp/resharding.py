@@ -251,18 +251,14 @@ def _check_same_values(
         return
     device = agreement.device(mesh)
     layout = [(p, tuple(t.shape), t.dtype, s) for p, t, s in named]
-    digests = [agreement.digest(t).to(device) for _, t, _ in named]
-    if digests:
-        weights = torch.arange(1, len(digests) + 1, device=device).unsqueeze(1)
-        combined = (torch.stack(digests) * weights).sum(0)
-    else:
-        combined = torch.zeros(2, dtype=torch.int64, device=device)
+    combined = agreement.tree_digest([t for _, t, _ in named], device)
     head = torch.tensor([len(named), agreement.layout_hash(layout)], device=device)
     if agreement.rows_agree(mesh, torch.cat([head, combined]), "shard()", None):
         return
+    # Something differs: each tensor's own checksum, to name it (the error path only).
     mine: list[agreement.Detail] = [
-        (p, tuple(t.shape), _dtype_name(t.dtype), s, tuple(d.tolist()))  # type: ignore[misc]
-        for (p, t, s), d in zip(named, digests)
+        (p, tuple(t.shape), _dtype_name(t.dtype), s, tuple(agreement.digest(t).tolist()))  # type: ignore[misc]
+        for p, t, s in named
     ]
     raise ValueError(_differs_message(mesh, agreement.details(mesh, mine, None), simulated=False))
 
