@@ -205,6 +205,12 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs, *, check: bool = True) -> A
                 f"to change its layout."
             )
         if spec is None:
+            if type(leaf).__module__ == "numpy" and hasattr(leaf, "shape"):
+                raise TypeError(
+                    f"shard(): {keystr(path)} is a numpy array of shape {tuple(leaf.shape)}, "
+                    f"not a torch.Tensor, so it would pass through unsharded. Convert it first: "
+                    f"torch.from_numpy(array), or ff.tree_map(torch.as_tensor, tree)."
+                )
             continue
         if leaf.is_meta and not shapes_only:
             raise ValueError(
@@ -448,6 +454,16 @@ def _gather_values(
     return current
 
 
+def _check_bucket_bytes(bucket_bytes: Any, what: str) -> None:
+    if bucket_bytes is None:
+        return
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(
+            f"{what}(bucket_bytes={bucket_bytes!r}): the cap on one bucket's local bytes must be "
+            f"a positive int (e.g. bucket_bytes=25 * 2**20), or None for one bucket per dtype."
+        )
+
+
 def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
     """All values on one mesh and one device, each with a local block of its layout's shape.
 
@@ -525,6 +541,18 @@ def gather(
         Sharded(shape=(6, 2), dtype=torch.float32, spec=P('tp'), mesh=Mesh(dp=2, tp=2), local=(3, 2))
     """
     paths, leaves, treedef = _flatten(tree)
+    _check_bucket_bytes(bucket_bytes, "gather")
+    if axes is not None and not (
+        isinstance(axes, str)
+        or (
+            isinstance(axes, (list, tuple, set, frozenset))
+            and all(isinstance(a, str) for a in axes)
+        )
+    ):
+        raise TypeError(
+            f"gather(axes={axes!r}): axes names mesh axes: a string ('dp'), a sequence of them "
+            f"(('dp', 'tp')), or None for all; got {type(axes).__name__}."
+        )
     idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
     if not idx:
         return tree
@@ -645,9 +673,18 @@ def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None, check: 
         torch.Size([2, 2])
     """
     paths, leaves, treedef = _flatten(tree)
+    _check_bucket_bytes(bucket_bytes, "reshard")
     per_leaf = resolve_specs(tree, specs)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
     if not idx:
+        for path, leaf, spec in zip(paths, leaves, per_leaf):
+            if isinstance(leaf, torch.Tensor) and spec is not None and spec.axes:
+                raise TypeError(
+                    f"reshard(): {keystr(path)} (shape {tuple(leaf.shape)}) is a plain tensor, "
+                    f"not Sharded, so reshard() would leave it as it is instead of laying it "
+                    f"out with {spec}. Split full tensors with ff.shard(tree, mesh, specs); "
+                    f"reshard() changes the layout of Sharded values."
+                )
         return tree
     values: list[Sharded] = [leaves[i] for i in idx]
     _check_values([paths[i] for i in idx], values, "reshard")

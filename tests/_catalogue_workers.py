@@ -674,6 +674,52 @@ CASES: list[Case] = [
         real=True,
     ),
     Case(
+        "shard_numpy",
+        "shard({'w': np.ones((4, 3))}, mesh, P('dp'))",
+        TypeError,
+        (
+            "shard(): ['w'] is a numpy array of shape (4, 3), not a torch.Tensor, so it would "
+            "pass through unsharded",
+            "torch.from_numpy(array)",
+        ),
+        lambda ctx: ff.shard({"w": __import__("numpy").ones((4, 3))}, ctx.mesh, P("dp")),
+    ),
+    Case(
+        "reshard_plain_tensor",
+        "reshard({'w': full tensor}, P('dp'))",
+        TypeError,
+        (
+            "reshard(): ['w'] (shape (4, 3)) is a plain tensor, not Sharded",
+            "instead of laying it out with P('dp')",
+            "ff.shard(tree, mesh, specs)",
+        ),
+        lambda ctx: ff.reshard({"w": torch.ones(4, 3)}, P("dp")),
+        real=True,
+    ),
+    Case(
+        "gather_axes_not_names",
+        "gather(w, 0)",
+        TypeError,
+        ("gather(axes=0): axes names mesh axes: a string ('dp')", "got int"),
+        lambda ctx: ff.gather(ff.shard(torch.ones(4), ctx.mesh, P("dp")), 0),  # type: ignore[arg-type]
+        real=True,
+    ),
+    Case(
+        "gather_bucket_bytes_zero",
+        "gather(w, bucket_bytes=0)",
+        ValueError,
+        ("gather(bucket_bytes=0): the cap on one bucket's local bytes must be a positive int",),
+        lambda ctx: ff.gather(ff.shard(torch.ones(4), ctx.mesh, P("dp")), bucket_bytes=0),
+    ),
+    Case(
+        "init_backend_typo",
+        "init_distributed('ncl')",
+        ValueError,
+        ("init_distributed(backend='ncl'): not a c10d backend", "(did you mean 'nccl'?)"),
+        lambda ctx: ff.init_distributed("ncl"),
+        real=True,
+    ),
+    Case(
         "shard_meta",
         "shard({'w': meta (4, 3)}, mesh, P('dp'))",
         ValueError,
@@ -1101,6 +1147,13 @@ CASES: list[Case] = [
         ),
         lambda ctx: ff.fsdp(mlp(), ctx.mesh, units=nn.Conv2d),
         real=True,
+    ),
+    Case(
+        "units_module_instance",
+        "ff.fsdp(mlp, mesh, units=nn.Linear(8, 16))",
+        TypeError,
+        ("units=Linear(...) is a module instance; units takes its type: units=Linear",),
+        lambda ctx: ff.fsdp(mlp(), ctx.mesh, units=nn.Linear(8, 16)),
     ),
     Case(
         "units_not_types_or_paths",

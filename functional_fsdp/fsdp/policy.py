@@ -141,6 +141,11 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
         def match(path: str, m: nn.Module) -> bool:
             return isinstance(m, units)  # type: ignore[arg-type]
 
+    elif isinstance(units, nn.Module):  # callable, but it would run its forward
+        raise TypeError(
+            f"units={type(units).__name__}(...) is a module instance; units takes its type: "
+            f"units={type(units).__name__} (or {_UNITS_HELP})."
+        )
     elif callable(units):
         match = units  # type: ignore[assignment]
     else:
