@@ -3,7 +3,9 @@ is wrong (key path, shape, spec, mesh) and how to fix it.
 
 The cases live in ``tests/_catalogue_workers.py``. Each runs in-process (on a simulated
 2-rank mesh, or without a process group for checkpoints); those that reach collectives,
-files or c10d also run on 2 real gloo processes, where the same wording must come out.
+files or c10d also run on 2 real gloo processes, where the same wording must come out (or
+the wording of real processes, where it differs). Cases about ranks that hold different
+things run on real processes only: a simulation is one program for every rank.
 ``python -m tests._catalogue_workers`` prints the catalogue as a table.
 """
 
