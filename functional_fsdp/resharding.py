@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import dotted, keystr
+from .distributed import agreement
 from .distributed import collectives as C
 from .distributed.mesh import axis_names, axis_sizes, check_mesh, local_coordinate, rank_at
 from .distributed.simulate import (
@@ -24,7 +25,6 @@ from .distributed.simulate import (
     is_simulated,
     on_rank,
     per_coordinate,
-    rank_values,
 )
 from .sharded import Sharded, block_of, local_shape_problem
 from .spec import Layout, P, did_you_mean, format_mesh, gather_schedule, spec_problem
@@ -154,18 +154,34 @@ def _checked_layout(
 # --------------------------------------------------------------------------- shard
 
 
-def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
+def shard(tree: Any, mesh: DeviceMesh, specs: Specs, *, check: bool = True) -> Any:
     """Split every tensor in ``tree`` into ``Sharded`` blocks laid out by ``specs``.
 
-    Each rank must hold the same full values (e.g. created from the same seed); it keeps its
-    own blocks and communicates nothing. Non-tensor leaves pass through unchanged. ``shard``
-    is not differentiable: it places values, ``gather``/``reshard`` move them.
+    Each rank must hold the same full values (e.g. created from the same seed, or loaded
+    from the same file); it keeps its own blocks. Non-tensor leaves pass through unchanged.
+    ``shard`` is not differentiable: it places values, ``gather``/``reshard`` move them.
+
+    By default it checks that the ranks agree: one small all-gather (per mesh axis) of a
+    checksum of the whole tree, not one per tensor, then it raises ``ValueError`` naming the
+    tensors that differ, their shapes and specs, the mesh and the ranks. Without the check, a
+    tensor drawn differently on each rank is split silently, and gathering it returns
+    blocks that no rank had. Reading the values for the checksum costs about a tenth of
+    copying them. On a simulated mesh the check is local and free: only a per-rank value (a
+    tensor drawn inside the simulation from an explicit ``torch.Generator``) can differ.
+    The check's all-gather is not counted by :func:`count_comms`.
 
     Args:
         tree: any pytree (dicts, lists, tuples, namedtuples) of tensors.
         mesh: a ``DeviceMesh`` with named axes.
         specs: a ``P`` for every tensor, a tree of ``P`` matching ``tree`` (or a prefix of
             it), or a rule ``fn(dotted_path, tensor) -> P | None``.
+        check: compare the values between the ranks first. ``False`` skips it, for values
+            that are meant to differ between ranks: each rank keeps its block of its own
+            value.
+
+    Raises:
+        ValueError: if the values differ between ranks (with ``check``), a spec does not fit
+            its tensor or the mesh, or a tensor is on the meta device.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -179,17 +195,22 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
     paths, leaves, treedef = _flatten(tree)
     check_alive(mesh, "shard()")
     shapes_only = is_shapes_only(mesh)
-    if not shapes_only:
-        C.check_same_on_ranks(mesh, paths, leaves, "shard()")  # debug mode (FUNCTIONAL_FSDP_CHECK)
-    out = []
-    for path, leaf, spec in zip(paths, leaves, resolve_specs(tree, specs)):
+    per_leaf = resolve_specs(tree, specs)
+    out = list(leaves)
+    layouts: dict[int, Layout] = {}
+    for i, (path, leaf, spec) in enumerate(zip(paths, leaves, per_leaf)):
         if isinstance(leaf, Sharded):
             raise TypeError(
                 f"{keystr(path)} is already Sharded ({leaf.spec}); use ff.reshard(tree, specs) "
                 f"to change its layout."
             )
         if spec is None:
-            out.append(leaf)
+            if type(leaf).__module__ == "numpy" and hasattr(leaf, "shape"):
+                raise TypeError(
+                    f"shard(): {keystr(path)} is a numpy array of shape {tuple(leaf.shape)}, "
+                    f"not a torch.Tensor, so it would pass through unsharded. Convert it first: "
+                    f"torch.from_numpy(array), or ff.tree_map(torch.as_tensor, tree)."
+                )
             continue
         if leaf.is_meta and not shapes_only:
             raise ValueError(
@@ -197,36 +218,113 @@ def shard(tree: Any, mesh: DeviceMesh, specs: Specs) -> Any:
                 f"it has a shape but no values to shard. Materialise it first (for a module "
                 f"built on meta: params, buffers = ff.init_sharded(ff.fsdp(module, mesh)))."
             )
-        layout = _checked_layout(path, leaf.shape, spec, mesh)
+        layouts[i] = _checked_layout(path, leaf.shape, spec, mesh)
+    if check and not shapes_only:
+        _check_same_values(mesh, paths, leaves, per_leaf)
+    for i, layout in layouts.items():
+        leaf, spec = leaves[i], per_leaf[i]
         if shapes_only:  # no values: this rank's block as a meta tensor
             local = torch.empty(layout.local_shape, dtype=leaf.dtype, device="meta")
-            out.append(Sharded(local, layout.global_shape, spec, mesh))
+            out[i] = Sharded(local, layout.global_shape, spec, mesh)
             continue
-        _check_same_on_every_rank(path, leaf)
         with torch.no_grad():
             full = leaf.detach()
             local = per_coordinate(
                 mesh, lambda c, t=full, lay=layout: block_of(on_rank(t, rank_at(mesh, c)), lay, c)
             )
-        out.append(Sharded(local, layout.global_shape, spec, mesh))
+        out[i] = Sharded(local, layout.global_shape, spec, mesh)
     return optree.tree_unflatten(treedef, out)
 
 
-def _check_same_on_every_rank(path: tuple[Any, ...], t: torch.Tensor) -> None:
-    """On a simulated mesh, refuse a full value that differs between ranks.
+def _check_same_values(
+    mesh: DeviceMesh, paths: list[tuple[Any, ...]], leaves: list[Any], specs: list[P | None]
+) -> None:
+    """Raise unless every rank holds the same tensors to shard (one all-gather per axis)."""
+    named = [
+        (keystr(p), t, str(s.trimmed()))
+        for p, t, s in zip(paths, leaves, specs)
+        if s is not None and isinstance(t, torch.Tensor)
+    ]
+    if torch.compiler.is_compiling():
+        return
+    if is_simulated():
+        per_rank = agreement.simulated_details([(p, t, s) for p, t, s in named])
+        if per_rank:
+            raise ValueError(_differs_message(mesh, per_rank, simulated=True))
+        return
+    sizes = axis_sizes(mesh)
+    if all(n == 1 for n in sizes.values()):
+        return
+    device = agreement.device(mesh)
+    layout = [(p, tuple(t.shape), t.dtype, s) for p, t, s in named]
+    combined = agreement.tree_digest([t for _, t, _ in named], device)
+    head = torch.tensor([len(named), agreement.layout_hash(layout)], device=device)
+    if agreement.rows_agree(mesh, torch.cat([head, combined]), "shard()", None):
+        return
+    # Something differs: each tensor's own checksum, to name it (the error path only).
+    mine: list[agreement.Detail] = [
+        (p, tuple(t.shape), _dtype_name(t.dtype), s, tuple(agreement.digest(t).tolist()))  # type: ignore[misc]
+        for p, t, s in named
+    ]
+    raise ValueError(_differs_message(mesh, agreement.details(mesh, mine, None), simulated=False))
 
-    Real processes cannot check this without communication; on a simulated mesh it is free,
-    and it catches the common slip of drawing random data inside ``simulated_mesh`` with an
-    explicit ``torch.Generator`` (each simulated rank draws from it in turn).
-    """
-    values = rank_values(t.detach())
-    if len(values) > 1 and not all(torch.equal(values[0], v) for v in values[1:]):
-        raise ValueError(
-            f"shard(): {keystr(path)} (shape {tuple(t.shape)}) differs between the simulated "
-            f"ranks, but shard() takes the full value, the same on every rank. Create it "
-            f"outside simulated_mesh(), or with torch.manual_seed instead of an explicit "
-            f"torch.Generator (simulated ranks draw from a generator in turn)."
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _differs_message(
+    mesh: DeviceMesh, per_rank: dict[int, list[agreement.Detail]], *, simulated: bool
+) -> str:
+    """What differs between the ranks' trees for ``shard()``, and how to fix it."""
+    where = f"the {'simulated ' if simulated else ''}ranks of {format_mesh(axis_sizes(mesh))}"
+    fix = (
+        "shard() takes the full value, the same on every rank, and each rank keeps its own "
+        "block of it, so gathering would return blocks that no rank had. "
+    )
+    if simulated:
+        fix += (
+            "Create the values outside simulated_mesh(), or with torch.manual_seed instead of "
+            "an explicit torch.Generator (simulated ranks draw from a generator in turn)"
         )
+    else:
+        fix += (
+            "Seed every rank the same before creating the values (torch.manual_seed(seed), "
+            "one seed on every rank, before building the model), or load them from one file "
+            "on every rank (ff.checkpoint.load, ff.checkpoint.load_safetensors)"
+        )
+    fix += (
+        "; if the values are meant to differ between ranks (each rank's own data), pass "
+        "ff.shard(..., check=False) and each rank keeps its block of its own value."
+    )
+    first, differ = agreement.first_difference(per_rank)
+    if first is None:
+        counts = {r: f"{len(t)} tensors" for r, t in per_rank.items()}
+        return (
+            f"shard(): the ranks hold trees with different numbers of tensors, over {where}:"
+            f"\n{agreement.by_rank(counts)}\n{fix}"
+        )
+    path, shape, dtype, spec, _ = next(iter(per_rank.values()))[first]
+    kinds = {t[first][:4] for t in per_rank.values()}
+    rows = {}
+    for r, t in per_rank.items():
+        p, s, d, sp, sums = t[first]
+        if len(kinds) > 1:  # different tensors, not only different values
+            rows[r] = f"{p} {d} {s} {sp}"
+        else:
+            rows[r] = f"checksum {agreement.short(sums)}" if sums else "the same value"
+    if len(kinds) > 1:
+        fix = "Build the same tree on every rank (the same model and configuration). " + fix
+    others = [next(iter(per_rank.values()))[i][0] for i in differ[1:]]
+    more = (
+        f" ({len(others)} more differ: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''})"
+        if others
+        else ""
+    )
+    return (
+        f"shard(): {path} ({dtype} {shape}, {spec}) differs between {where}{more}:\n"
+        f"{agreement.by_rank(rows)}\n{fix}"
+    )
 
 
 # --------------------------------------------------------------------------- bucketed gather
@@ -356,6 +454,16 @@ def _gather_values(
     return current
 
 
+def _check_bucket_bytes(bucket_bytes: Any, what: str) -> None:
+    if bucket_bytes is None:
+        return
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(
+            f"{what}(bucket_bytes={bucket_bytes!r}): the cap on one bucket's local bytes must be "
+            f"a positive int (e.g. bucket_bytes=25 * 2**20), or None for one bucket per dtype."
+        )
+
+
 def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str) -> None:
     """All values on one mesh and one device, each with a local block of its layout's shape.
 
@@ -395,7 +503,11 @@ def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str
 
 
 def gather(
-    tree: Any, axes: str | Sequence[str] | None = None, *, bucket_bytes: int | None = None
+    tree: Any,
+    axes: str | Sequence[str] | None = None,
+    *,
+    bucket_bytes: int | None = None,
+    check: bool = True,
 ) -> Any:
     """Gather ``Sharded`` values over mesh axes (all of them by default).
 
@@ -409,10 +521,17 @@ def gather(
         tree: a pytree containing ``Sharded`` values (other leaves pass through).
         axes: the mesh axes to gather, or ``None`` for all.
         bucket_bytes: cap on one bucket's local bytes; ``None`` means one bucket per dtype.
+        check: first check that every rank of the gathered axes' groups gathers the same
+            values (global shapes, specs and dtypes, in the same order): one small
+            all-gather per call (per gathered axis), for the whole tree, not counted by
+            :func:`count_comms`. Without it, ranks holding tensors of different shapes with
+            equal block sizes get garbage without an error. ``False`` skips it, in a loop
+            that gathers the same tree every step (FSDP's own steps never run it).
 
     Raises:
-        ValueError: if the values live on different meshes, or an axis to gather is major to
-            an axis that stays (gather the minor axis too, or reshard).
+        ValueError: if the values live on different meshes, an axis to gather is major to
+            an axis that stays (gather the minor axis too, or reshard), or (with ``check``)
+            the ranks hold different values to gather.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -422,6 +541,18 @@ def gather(
         Sharded(shape=(6, 2), dtype=torch.float32, spec=P('tp'), mesh=Mesh(dp=2, tp=2), local=(3, 2))
     """
     paths, leaves, treedef = _flatten(tree)
+    _check_bucket_bytes(bucket_bytes, "gather")
+    if axes is not None and not (
+        isinstance(axes, str)
+        or (
+            isinstance(axes, (list, tuple, set, frozenset))
+            and all(isinstance(a, str) for a in axes)
+        )
+    ):
+        raise TypeError(
+            f"gather(axes={axes!r}): axes names mesh axes: a string ('dp'), a sequence of them "
+            f"(('dp', 'tp')), or None for all; got {type(axes).__name__}."
+        )
     idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
     if not idx:
         return tree
@@ -453,21 +584,86 @@ def gather(
                     f"axis while keeping a minor one does not give a contiguous block. Gather "
                     f"{stays[-1]!r} as well, or reshard to the target spec."
                 )
+    if check:
+        _check_same_layouts("gather", [paths[i] for i in idx], values, wanted, bucket_bytes)
     gathered = _gather_values(values, wanted, bucket_bytes)
     for i, out in zip(idx, gathered):
         leaves[i] = out.local if isinstance(out, Sharded) and not out.spec.axes else out
     return optree.tree_unflatten(treedef, leaves)
 
 
+def _check_same_layouts(
+    what: str,
+    paths: list[tuple[Any, ...]],
+    values: list[Sharded],
+    wanted: list[set[str]],
+    bucket_bytes: int | None,
+) -> None:
+    """Raise unless every rank that takes part in the gathers gathers the same values.
+
+    The ranks compare a hash of what decides the collectives: every value's global shape,
+    dtype and spec, the axes gathered out of it, and the bucket cap (one all-gather per
+    gathered axis, for the whole tree).
+    """
+    mesh = values[0].mesh
+    sizes = axis_sizes(mesh)
+    axes = [a for a in sizes if sizes[a] > 1 and any(a in w for w in wanted)]
+    if not axes or is_simulated() or torch.compiler.is_compiling():
+        return  # no collective; or one program for every simulated rank
+    mine: list[agreement.Detail] = [
+        (
+            keystr(p),
+            tuple(v.global_shape),
+            _dtype_name(v.dtype),
+            f"{v.spec.trimmed()} gathering {sorted(w, key=str)}",
+            None,
+        )
+        for p, v, w in zip(paths, values, wanted)
+    ]
+    row = [len(mine), agreement.layout_hash([(m[1:4]) for m in mine] + [bucket_bytes])]
+    device = agreement.device(mesh)
+    if agreement.rows_agree(mesh, torch.tensor(row, device=device), f"{what}()", axes):
+        return
+    per_rank = agreement.details(mesh, mine, axes)
+    first, differ = agreement.first_difference(per_rank)
+    mesh_text = format_mesh(sizes)
+    fix = (
+        f"Every rank of the gathered axes {axes} must call {what}() with the same values (the "
+        f"same global shapes, specs and dtypes, in the same order): the collective joins the "
+        f"ranks' blocks, and blocks of different tensors would be mixed without an error. Look "
+        f"for a model or configuration built differently on some rank (a branch on the rank, "
+        f"per-rank arguments)."
+    )
+    if first is None:
+        counts = {r: f"{len(t)} Sharded values" for r, t in per_rank.items()}
+        if len(set(counts.values())) == 1:  # only bucket_bytes differs
+            counts = {r: f"bucket_bytes={bucket_bytes}" for r in per_rank}
+        return_text = agreement.by_rank(counts)
+        raise ValueError(
+            f"{what}(): the ranks of {mesh_text} gather different trees:\n{return_text}\n{fix}"
+        )
+    rows = {
+        r: f"{t[first][0]} {t[first][2]} {t[first][1]} {t[first][3]}" for r, t in per_rank.items()
+    }
+    path = next(iter(per_rank.values()))[first][0]
+    more = f" ({len(differ) - 1} more differ)" if len(differ) > 1 else ""
+    raise ValueError(
+        f"{what}(): {path} differs between the ranks of {mesh_text}{more}:\n"
+        f"{agreement.by_rank(rows)}\n{fix}"
+    )
+
+
 # --------------------------------------------------------------------------- reshard
 
 
-def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
+def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None, check: bool = True) -> Any:
     """Change the layout of every ``Sharded`` value in ``tree`` to ``specs``.
 
     Axes that the new spec drops or moves are gathered (bucketed); axes it adds are sliced
     locally, without communication. Plain tensors in ``tree`` are left alone (use
-    :func:`shard` for them). Differentiable, like :func:`gather`.
+    :func:`shard` for them). Differentiable, like :func:`gather`. When something is
+    gathered, ``check`` first compares the values' layouts between the ranks, as
+    :func:`gather` does (``check=False`` skips it).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -477,9 +673,18 @@ def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
         torch.Size([2, 2])
     """
     paths, leaves, treedef = _flatten(tree)
+    _check_bucket_bytes(bucket_bytes, "reshard")
     per_leaf = resolve_specs(tree, specs)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
     if not idx:
+        for path, leaf, spec in zip(paths, leaves, per_leaf):
+            if isinstance(leaf, torch.Tensor) and spec is not None and spec.axes:
+                raise TypeError(
+                    f"reshard(): {keystr(path)} (shape {tuple(leaf.shape)}) is a plain tensor, "
+                    f"not Sharded, so reshard() would leave it as it is instead of laying it "
+                    f"out with {spec}. Split full tensors with ff.shard(tree, mesh, specs); "
+                    f"reshard() changes the layout of Sharded values."
+                )
         return tree
     values: list[Sharded] = [leaves[i] for i in idx]
     _check_values([paths[i] for i in idx], values, "reshard")
@@ -498,6 +703,8 @@ def reshard(tree: Any, specs: Specs, *, bucket_bytes: int | None = None) -> Any:
                 keep += 1
             drop.update(src[keep:])
         wanted.append(drop)
+    if check:
+        _check_same_layouts("reshard", [paths[i] for i in idx], values, wanted, bucket_bytes)
     gathered = _gather_values(values, wanted, bucket_bytes)
     for i, v, target, out in zip(idx, values, targets, gathered):
         leaves[i] = _slice_to(out, v, target)

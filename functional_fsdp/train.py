@@ -529,7 +529,9 @@ def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
     """
     data = model.data_axes
     sharded = [v for v in values if isinstance(v, Sharded)]
-    gathered = iter(reshard(sharded, [functools.reduce(P.without, data, v.spec) for v in sharded]))
+    gathered = iter(
+        reshard(sharded, [functools.reduce(P.without, data, v.spec) for v in sharded], check=False)
+    )
     sizes = axis_sizes(model.mesh)
     scale = 1.0 / math.prod(sizes[a] for a in data) if model.policy.grad_reduce == "mean" else 1.0
     out = []
@@ -877,8 +879,8 @@ def train_step(
                     is_leaf=lambda v: isinstance(v, Sharded),
                     none_is_leaf=True,
                 )
-                grads = reshard(grads, split.train_def.unflatten(layout))
-                train = reshard(train, split.train_def.unflatten(layout))
+                grads = reshard(grads, split.train_def.unflatten(layout), check=False)
+                train = reshard(train, split.train_def.unflatten(layout), check=False)
         norm = global_norm(grads)
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
@@ -915,7 +917,7 @@ def train_step(
             )
             new_train = split.train_def.unflatten(new_leaves)
         elif at_rest is not None:
-            new_train = reshard(new_train, at_rest)
+            new_train = reshard(new_train, at_rest, check=False)
         # Frozen leaves are the input's own objects: never copied, never written.
         new_params = split.full(split.train_def.flatten_up_to(new_train))
         new_state = TrainState(

@@ -81,8 +81,10 @@ class Case:
         match: fragments the message must contain, in this order.
         run: ``run(ctx)`` makes the call that must raise.
         where: ``"mesh"`` runs on a simulated ``{"dp": 2}`` mesh in-process; ``"plain"``
-            without a process group (checkpoints).
+            without a process group (checkpoints); ``"real"`` only on real processes (ranks
+            that hold different things: a simulation runs one program for every rank).
         real: also run on 2 real gloo processes.
+        real_match: the fragments on real processes, where they differ from ``match``.
     """
 
     id: str
@@ -92,10 +94,15 @@ class Case:
     run: Callable[[Ctx], Any]
     where: str = "mesh"
     real: bool = False
+    real_match: tuple[str, ...] | None = None
 
     @property
     def pattern(self) -> str:
         return ".*".join(re.escape(m) for m in self.match)
+
+    @property
+    def real_pattern(self) -> str:
+        return ".*".join(re.escape(m) for m in (self.real_match or self.match))
 
 
 def outcome(case: Case, ctx: Ctx) -> tuple[str, str, bool]:
@@ -345,6 +352,23 @@ def _donated_reuse(ctx: Ctx) -> Any:
     step, state = _step(ctx, donate=True)
     step(state, _batch(4))
     return step(state, _batch(4))
+
+
+def _rank_or_simulated(ctx: Ctx) -> torch.Generator:
+    """A generator that draws other numbers on every rank: seeded by the rank on a real
+    process; inside a simulation every simulated rank draws from it in turn."""
+    return torch.Generator().manual_seed(dist.get_rank() if ctx.real else 0)
+
+
+def _shard_differs(ctx: Ctx) -> Any:
+    w = torch.randn(4, 3, generator=_rank_or_simulated(ctx))  # each rank seeded differently
+    return ff.shard({"w": w, "b": torch.zeros(3)}, ctx.mesh, P("dp"))
+
+
+def _other_shape_per_rank(ctx: Ctx) -> Any:
+    """``{'w': Sharded}`` of shape (4, 6) on rank 0 and (6, 4) on rank 1: equal blocks."""
+    shape = (4, 6) if dist.get_rank() == 0 else (6, 4)
+    return ff.shard({"w": torch.arange(24.0).reshape(shape)}, ctx.mesh, P("dp"), check=False)
 
 
 def _ckpt_missing(ctx: Ctx) -> Any:
@@ -612,6 +636,104 @@ CASES: list[Case] = [
         TypeError,
         ("['w'] is already Sharded (P('dp')); use ff.reshard(tree, specs)",),
         lambda ctx: ff.shard(ff.shard({"w": torch.ones(4)}, ctx.mesh, P("dp")), ctx.mesh, P()),
+    ),
+    Case(
+        "shard_differs_between_ranks",
+        "shard({'w': randn(4, 3)}, mesh, P('dp')) with each rank seeded differently",
+        ValueError,
+        (
+            "shard(): ['w'] (float32 (4, 3), P('dp')) differs between the simulated ranks of "
+            "Mesh(dp=2):\n  rank 0: checksum ",
+            "\n  rank 1: checksum ",
+            "gathering would return blocks that no rank had",
+            "Create the values outside simulated_mesh()",
+            "pass ff.shard(..., check=False)",
+        ),
+        _shard_differs,
+        real=True,
+        real_match=(
+            "shard(): ['w'] (float32 (4, 3), P('dp')) differs between the ranks of Mesh(dp=2):"
+            "\n  rank 0: checksum ",
+            "\n  rank 1: checksum ",
+            "gathering would return blocks that no rank had",
+            "Seed every rank the same before creating the values (torch.manual_seed(seed), one "
+            "seed on every rank, before building the model), or load them from one file",
+            "pass ff.shard(..., check=False)",
+        ),
+    ),
+    Case(
+        "gather_shapes_differ_between_ranks",
+        "gather({'w'}) of shape (4, 6) on rank 0 and (6, 4) on rank 1 (equal blocks)",
+        ValueError,
+        (
+            "gather(): ['w'] differs between the ranks of Mesh(dp=2):\n"
+            "  rank 0: ['w'] float32 (4, 6) P('dp') gathering ['dp']\n"
+            "  rank 1: ['w'] float32 (6, 4) P('dp') gathering ['dp']\n",
+            "Every rank of the gathered axes ['dp'] must call gather() with the same values",
+            "a branch on the rank",
+        ),
+        lambda ctx: ff.gather(_other_shape_per_rank(ctx)),
+        where="real",
+        real=True,
+    ),
+    Case(
+        "reshard_shapes_differ_between_ranks",
+        "reshard({'w'}, P()) of shape (4, 6) on rank 0 and (6, 4) on rank 1 (equal blocks)",
+        ValueError,
+        (
+            "reshard(): ['w'] differs between the ranks of Mesh(dp=2):\n"
+            "  rank 0: ['w'] float32 (4, 6) P('dp') gathering ['dp']\n",
+            "must call reshard() with the same values (the same global shapes, specs and dtypes",
+        ),
+        lambda ctx: ff.reshard(_other_shape_per_rank(ctx), P()),
+        where="real",
+        real=True,
+    ),
+    Case(
+        "shard_numpy",
+        "shard({'w': np.ones((4, 3))}, mesh, P('dp'))",
+        TypeError,
+        (
+            "shard(): ['w'] is a numpy array of shape (4, 3), not a torch.Tensor, so it would "
+            "pass through unsharded",
+            "torch.from_numpy(array)",
+        ),
+        lambda ctx: ff.shard({"w": __import__("numpy").ones((4, 3))}, ctx.mesh, P("dp")),
+    ),
+    Case(
+        "reshard_plain_tensor",
+        "reshard({'w': full tensor}, P('dp'))",
+        TypeError,
+        (
+            "reshard(): ['w'] (shape (4, 3)) is a plain tensor, not Sharded",
+            "instead of laying it out with P('dp')",
+            "ff.shard(tree, mesh, specs)",
+        ),
+        lambda ctx: ff.reshard({"w": torch.ones(4, 3)}, P("dp")),
+        real=True,
+    ),
+    Case(
+        "gather_axes_not_names",
+        "gather(w, 0)",
+        TypeError,
+        ("gather(axes=0): axes names mesh axes: a string ('dp')", "got int"),
+        lambda ctx: ff.gather(ff.shard(torch.ones(4), ctx.mesh, P("dp")), 0),  # type: ignore[arg-type]
+        real=True,
+    ),
+    Case(
+        "gather_bucket_bytes_zero",
+        "gather(w, bucket_bytes=0)",
+        ValueError,
+        ("gather(bucket_bytes=0): the cap on one bucket's local bytes must be a positive int",),
+        lambda ctx: ff.gather(ff.shard(torch.ones(4), ctx.mesh, P("dp")), bucket_bytes=0),
+    ),
+    Case(
+        "init_backend_typo",
+        "init_distributed('ncl')",
+        ValueError,
+        ("init_distributed(backend='ncl'): not a c10d backend", "(did you mean 'nccl'?)"),
+        lambda ctx: ff.init_distributed("ncl"),
+        real=True,
     ),
     Case(
         "shard_meta",
@@ -1053,6 +1175,27 @@ CASES: list[Case] = [
         real=True,
     ),
     Case(
+        "units_type_matches_nothing",
+        "ff.fsdp(mlp, mesh, units=nn.Conv2d) on a model without convolutions",
+        ValueError,
+        (
+            "units=Conv2d: unit type Conv2d matches no submodule of Sequential, so the whole "
+            "model would be one unit, gathered at once",
+            "Its submodules are of types [Linear, ReLU]",
+            "units=None for one unit per child",
+            "units=[] for one unit on purpose",
+        ),
+        lambda ctx: ff.fsdp(mlp(), ctx.mesh, units=nn.Conv2d),
+        real=True,
+    ),
+    Case(
+        "units_module_instance",
+        "ff.fsdp(mlp, mesh, units=nn.Linear(8, 16))",
+        TypeError,
+        ("units=Linear(...) is a module instance; units takes its type: units=Linear",),
+        lambda ctx: ff.fsdp(mlp(), ctx.mesh, units=nn.Linear(8, 16)),
+    ),
+    Case(
         "units_not_types_or_paths",
         "ff.fsdp(model, mesh, units=[nn.Linear, 3])",
         TypeError,
@@ -1258,7 +1401,9 @@ def table() -> str:
             tmp = root / case.id
             tmp.mkdir()
             os.chmod(tmp, 0o755)
-            if case.where == "plain":
+            if case.where == "real":
+                name, msg = case.error.__name__, "(on real processes only) " + "…".join(case.match)
+            elif case.where == "plain":
                 name, msg, _ = outcome(case, Ctx(None, tmp, real=False))
             else:
                 with ff.simulated_mesh({"dp": 2}) as mesh:

@@ -391,7 +391,7 @@ def mismatched_collectives() -> dict:
         out["healthy_after_all_gather"] = _healthy(mesh)
         # Sharded values of equal local size but other shapes: one flat bucket each.
         w = ff.Sharded(torch.zeros(shape), (shape[0] * 2, shape[1]), ff.P("dp"), mesh)
-        out["gather"] = _caught(lambda: ff.gather(w))
+        out["gather"] = _caught(lambda: ff.gather(w, check=False))  # the debug check's turn
         # Rank 1 skips the all-gather and goes on to the next collective.
         if _rank() == 0:
             out["skipped"] = _caught(lambda: ff.all_gather(torch.ones(3), mesh, "dp"))
@@ -411,7 +411,8 @@ def shard_checks() -> dict:
         out["same"] = _caught(lambda: ff.shard(same, mesh, ff.P("dp")))
         out["differs"] = _caught(lambda: ff.shard(differs, mesh, ff.P("dp")))
         out["healthy"] = _healthy(mesh)
-    out["unchecked"] = _caught(lambda: ff.shard(differs, mesh, ff.P("dp")))
+    out["default"] = _caught(lambda: ff.shard(differs, mesh, ff.P("dp")))  # checked anyway
+    out["unchecked"] = _caught(lambda: ff.shard(differs, mesh, ff.P("dp"), check=False))
     previous = os.environ.get("FUNCTIONAL_FSDP_CHECK")
     os.environ["FUNCTIONAL_FSDP_CHECK"] = "1"
     try:
@@ -450,6 +451,12 @@ def _equal_bucket_models() -> tuple[torch.nn.Module, torch.nn.Module]:
     return mlp, llama
 
 
+def _unchecked_shard(f: ff.FSDP) -> dict[str, Any]:
+    """``f.shard()`` without its check that every rank holds the same model."""
+    params = {n: p.detach() for n, p in f.module.named_parameters()}
+    return ff.shard(params, f.mesh, f.param_specs(), check=False)
+
+
 def mismatched_models() -> dict:
     """Ranks running differently-shaped models whose buckets have equal sizes: the FSDP
     engine's collectives carry the parameters' names, shapes and specs, so the debug check
@@ -459,7 +466,7 @@ def mismatched_models() -> dict:
     x, ids = torch.randn(4, 8), torch.randint(0, 96, (2, 6))
     out: dict[str, Any] = {}
     f = ff.fsdp(mlp, mesh, units=[])  # one bucket: the whole model
-    params = f.shard()  # unchecked: shard() would compare the values first
+    params = _unchecked_shard(f)  # f.shard() would compare the models first
     out["shard_numel"] = sum(p.local.numel() for p in params.values())
     out["unchecked"] = tuple(f.apply(params, x).shape)  # silently runs on mixed-up bytes
     with ff.check_collectives():
@@ -469,14 +476,14 @@ def mismatched_models() -> dict:
     z2 = ff.fsdp(mlp, mesh, units=[], policy=ff.Policy(reshard_after_forward=False))
     leaves = {
         k: ff.Sharded(v.local.clone().requires_grad_(), v.global_shape, v.spec, mesh)
-        for k, v in z2.shard().items()
+        for k, v in _unchecked_shard(z2).items()
     }
     loss = z2.apply(leaves, x).sum()
     with ff.check_collectives():
         out["mlp_backward"] = _caught(lambda: loss.backward())
         out["healthy"] = _healthy(mesh)
     g = ff.fsdp(llama, mesh)
-    llama_params = g.shard()
+    llama_params = _unchecked_shard(g)
     with ff.check_collectives():
         out["llama"] = _caught(lambda: g.apply(llama_params, input_ids=ids))
         out["healthy_after_llama"] = _healthy(mesh)

@@ -229,11 +229,20 @@ def test_shard_refuses_a_value_that_differs_between_simulated_ranks():
         with pytest.raises(
             ValueError,
             match=re.escape(
-                "shard(): ['w'] (shape (4, 3)) differs between the simulated ranks, but shard() "
-                "takes the full value, the same on every rank. Create it outside simulated_mesh()"
-            ),
+                "shard(): ['w'] (float32 (4, 3), P('dp')) differs between the simulated ranks "
+                "of Mesh(dp=2):\n  rank 0: checksum "
+            )
+            + r"[0-9a-f]{8}\n  rank 1: checksum [0-9a-f]{8}\n"
+            + re.escape("shard() takes the full value, the same on every rank")
+            + ".*"
+            + re.escape("Create the values outside simulated_mesh()"),
         ):
-            ff.shard({"w": x}, mesh, P("dp"))
+            ff.shard({"w": x, "b": torch.zeros(3)}, mesh, P("dp"))
+        # Meant to differ: each simulated rank keeps its block of its own value.
+        mine = ff.shard({"w": x}, mesh, P("dp"), check=False)["w"].local
+        assert [t.tolist() for t in ff.rank_values(mine)] == [
+            v[i * 2 : i * 2 + 2].tolist() for i, v in enumerate(ff.rank_values(x))
+        ]
         torch.manual_seed(0)
         y = torch.randn(4, 3)  # the global RNG gives every simulated rank the same values
         assert ff.shard({"w": y}, mesh, P("dp"))["w"].local.shape == (2, 3)

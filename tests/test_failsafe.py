@@ -273,12 +273,14 @@ def test_debug_mode_names_ranks_and_values_that_differ(pools):
     s0, s1 = pools.run(2, W.shard_checks)
     for s in (s0, s1):
         assert s["same"] == "no error" and s["unchecked"] == "no error" and s["healthy"]
+        # shard()'s check is on by default (and the same in debug mode): see test_catalogue.
         assert (
-            "shard(): ['w'] (float32 (4, 3)) differs between the ranks of mesh axis 'dp'"
+            "shard(): ['w'] (float32 (4, 3), P('dp')) differs between the ranks of Mesh(dp=2)"
             in (s["differs"])
         )
         assert "rank 0: checksum" in s["differs"] and "rank 1: checksum" in s["differs"]
         assert "torch.manual_seed" in s["differs"] and "['b']" not in s["differs"]
+        assert s["default"] == s["differs"]
         assert s["env_switch"] is True and s["env_differs"] == s["differs"]
     assert all(pools.run(2, W.checked_train_step)[i]["same"] for i in (0, 1))
 

@@ -394,3 +394,88 @@ def test_2x2_dtensor_round_trip(pools):
     }
     assert differ == {9, 10, 11}
     assert out[0][3]["placements"] == [("StridedShard", 0, 2), ("Shard", 0, None)]
+
+
+# --------------------------------------------------------------------------- default checks
+
+
+def agreement_exchanges(axes: dict[str, int], odd_rank: int) -> dict[str, object]:
+    """How many all-gathers the default agreement checks issue (count_comms does not see
+    them), and what they say when one rank's value differs. Every call here is collective."""
+    import torch.distributed as dist
+
+    from functional_fsdp.distributed import agreement
+    from functional_fsdp.models import GPT, GPTConfig
+
+    mesh = ff.make_mesh(axes)
+    rank = dist.get_rank()
+    calls: list[str] = []
+    original = agreement._all_gather
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return original(*args, **kwargs)
+
+    def count(fn) -> int:
+        calls.clear()
+        fn()
+        return len(calls)
+
+    agreement._all_gather = counted
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16))
+        sm = ff.fsdp(model, mesh)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        out: dict[str, object] = {"leaves": len(params)}
+        out["shard"] = count(lambda: ff.shard(params, mesh, sm.param_specs()))
+        out["shard_unchecked"] = count(lambda: ff.shard(params, mesh, P(), check=False))
+        sharded = sm.shard()
+        out["gather"] = count(lambda: ff.gather(sharded))
+        out["gather_unchecked"] = count(lambda: ff.gather(sharded, check=False))
+        out["reshard"] = count(lambda: ff.reshard(sharded, P()))
+        full = ff.shard(params, mesh, P())  # replicated: resharding it only slices
+        out["reshard_slicing"] = count(lambda: ff.reshard(full, sm.param_specs()))
+        batch = torch.randint(0, 64, (8, 9), generator=torch.Generator().manual_seed(1))
+        data = tuple(a for a in axes if a != "tp")
+        for name, specs, opt_specs in (("fsdp", None, None), ("zero1", P(), P(data))):
+            f = ff.fsdp(model, mesh, specs=specs)
+            opt = ff.adamw(1e-2)
+            step = ff.train_step(
+                lambda p, b, f=f: f.apply(p, b[:, :-1]).float().mean(), opt, model=f
+            )
+            state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
+            state, _ = step(state, batch)
+            out[f"step_{name}"] = count(lambda step=step, state=state: step(state, batch))
+        w = torch.ones(6, 4) + (1.0 if rank == odd_rank else 0.0)
+        try:
+            ff.shard({"w": w, "b": torch.zeros(3)}, mesh, P("dp"))
+            out["differs"] = "no error"
+        except ValueError as e:
+            out["differs"] = str(e)
+        out["healthy"] = float(ff.all_reduce(torch.ones(1), mesh, "dp"))
+    finally:
+        agreement._all_gather = original
+    return out
+
+
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["dp2", "2x2"])
+def test_default_checks_cost_one_all_gather_per_call_and_axis_and_none_per_step(pools, axes):
+    world = math.prod(axes.values())
+    odd = world - 1  # only the last rank differs: every rank must still raise together
+    out = pools.run(world, agreement_exchanges, axes, odd)
+    for r in out:
+        assert r["leaves"] > 10
+        assert r["shard"] == len(axes)  # one per mesh axis, for the whole tree
+        assert r["gather"] == r["reshard"] == 1  # the FSDP layout gathers dp only
+        assert r["shard_unchecked"] == r["gather_unchecked"] == r["reshard_slicing"] == 0
+        assert r["step_fsdp"] == r["step_zero1"] == 0  # never in FSDP's steps
+        assert (
+            "shard(): ['w'] (float32 (6, 4), P('dp')) differs between the ranks of"
+            in (r["differs"])
+        )
+        ranks = list(range(world - 1))
+        first = f"ranks {ranks}" if len(ranks) > 1 else "rank 0"
+        assert f"\n  {first}: checksum " in r["differs"], r["differs"]
+        assert f"\n  rank {odd}: checksum " in r["differs"]
+        assert r["healthy"] == axes["dp"]

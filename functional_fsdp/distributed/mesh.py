@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..spec import did_you_mean, format_mesh
+from . import restarts
 
 
 class Axis(str, enum.Enum):
@@ -216,6 +217,7 @@ def init_distributed(
     from . import collectives
 
     chosen = _timeout(timeout)
+    _check_backend(backend)
     if collectives._env_check():  # the debug switch, read again once the run starts
         collectives._CHECK = True
     single = "RANK" not in os.environ
@@ -238,9 +240,22 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = chosen or DEFAULT_TIMEOUT
-    dist.init_process_group(backend, timeout=chosen)
+    restarts.init_process_group(backend, chosen)  # a torchrun restart as well as the start
     _use_timeout(chosen)
     return device
+
+
+def _check_backend(backend: Any) -> None:
+    """A misspelt backend fails here, naming the choices, instead of inside c10d."""
+    if backend is None or (isinstance(backend, str) and ":" in backend):
+        return  # None: chosen from the device; "cpu:gloo,cuda:nccl": torch checks its parts
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    if not isinstance(backend, str) or backend.lower() not in known:
+        raise ValueError(
+            f"init_distributed(backend={backend!r}): not a c10d backend; use one of {known}, or "
+            f"leave it None for NCCL on CUDA and gloo on the CPU"
+            f"{did_you_mean(str(backend).lower(), known)}."
+        )
 
 
 def _free_port() -> int:

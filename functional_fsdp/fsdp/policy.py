@@ -136,10 +136,16 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
             return parent in containers and any(True for _ in m.parameters())
 
     elif isinstance(units, type):
+        _check_types_match(module, named, (units,), units)
 
         def match(path: str, m: nn.Module) -> bool:
             return isinstance(m, units)  # type: ignore[arg-type]
 
+    elif isinstance(units, nn.Module):  # callable, but it would run its forward
+        raise TypeError(
+            f"units={type(units).__name__}(...) is a module instance; units takes its type: "
+            f"units={type(units).__name__} (or {_UNITS_HELP})."
+        )
     elif callable(units):
         match = units  # type: ignore[assignment]
     else:
@@ -164,6 +170,7 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
                     f"{[p for p, _ in named[:6]]}. Pass module paths or fnmatch patterns of "
                     f"them (e.g. 'layers.*'), or a module type."
                 )
+        _check_types_match(module, named, types, units)
 
         def match(path: str, m: nn.Module) -> bool:
             return isinstance(m, types) or any(fnmatch.fnmatchcase(path, pat) for pat in patterns)
@@ -173,6 +180,52 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
         if match(path, m) and not any(path.startswith(c + ".") for c in chosen):
             chosen.append(path)
     return chosen
+
+
+def _check_types_match(
+    module: nn.Module, named: list[tuple[str, nn.Module]], types: tuple[type, ...], units: Any
+) -> None:
+    """Raise, as for a pattern, if a unit type is the type of no submodule of ``module``.
+
+    Without it a model would silently get fewer units than asked for; with no unit at all,
+    one root unit: the whole model gathered at once.
+    """
+    for t in types:
+        if any(isinstance(m, t) for _, m in named):
+            continue
+        present = list(dict.fromkeys(type(m).__name__ for _, m in named))
+        shown = ", ".join(present[:8]) + (", ..." if len(present) > 8 else "")
+        alone = units is t or (isinstance(units, Collection) and len(units) == 1)
+        effect = (
+            "so the whole model would be one unit, gathered at once"
+            if alone
+            else "so it would choose nothing; leave it out"
+        )
+        raise ValueError(
+            f"units={_units_repr(units)}: unit type {t.__name__} matches no submodule of "
+            f"{type(module).__name__}, {effect}. Its submodules are of types [{shown}]. Pass "
+            f"a type the model has (e.g. units={present[0] if present else 'Block'}), module "
+            f"paths or fnmatch patterns (units=['layers.*']), units=None for one unit per "
+            f"child of every nn.ModuleList/nn.Sequential, or units=[] for one unit on purpose."
+        )
+
+
+def _units_repr(units: Any) -> str:
+    """``Linear`` or ``{Linear, 'blocks.*'}``: classes by name, as they are written in code."""
+
+    def one(u: Any) -> str:
+        return u.__name__ if isinstance(u, type) else repr(u)
+
+    if isinstance(units, type):
+        return one(units)
+    inner = ", ".join(one(u) for u in units)
+    if isinstance(units, (set, frozenset)):
+        return "{" + inner + "}"
+    return (
+        f"({inner},)"
+        if isinstance(units, tuple) and len(units) == 1
+        else (f"({inner})" if isinstance(units, tuple) else f"[{inner}]")
+    )
 
 
 def _close_paths(pattern: str, paths: list[str]) -> str:
