@@ -17,7 +17,7 @@ from torch import nn
 from ..distributed import process
 from ..distributed.axes import axis_names, axis_sizes, rank_at
 from ..distributed.simulate import is_simulated
-from ..fsdp.plan import unit_of as unit_of
+from ..fsdp.layout import unit_of as unit_of
 from ..sharded import Sharded
 from ..spec import format_mesh
 
