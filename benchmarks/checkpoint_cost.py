@@ -88,7 +88,10 @@ def main() -> None:
         run.saved = saved  # type: ignore[attr-defined]
         return run
 
-    systems = {"no checkpointing": variant(False), "Policy(activation_checkpointing=True)": variant(True)}
+    systems = {
+        "no checkpointing": variant(False),
+        "Policy(activation_checkpointing=True)": variant(True),
+    }
     if args.global_batch:
         systems["randomness='global_batch'"] = variant(False, randomness="global_batch")
     g = torch.Generator().manual_seed(rank)
