@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -109,13 +110,8 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
         ...     ff.axis_size(mesh, "tp")
         4
     """
-    sizes = axis_sizes(mesh)
-    if axis not in sizes:
-        raise ValueError(
-            f"axis_size: the mesh {format_mesh(sizes)} has no axis {axis!r}"
-            f"{did_you_mean(axis, sizes)}; name one of its axes {tuple(sizes)}."
-        )
-    return sizes[axis]
+    check_axes(mesh, (axis,), "axis_size")
+    return axis_sizes(mesh)[axis]
 
 
 def local_coordinate(mesh: DeviceMesh) -> dict[str, int]:
@@ -228,6 +224,65 @@ def coordinate_of(mesh: DeviceMesh, rank: int) -> dict[str, int]:
 def rank_at(mesh: DeviceMesh, coord: Mapping[str, int]) -> int:
     """The global rank at a mesh coordinate given by axis name (the cached grid's)."""
     return mesh_grid(mesh).rank(coord)
+
+
+def checked_axes(axes: Any, where: str, example_size: str = "2") -> dict[str, int]:
+    """``axes`` checked: a non-empty mapping of non-empty string names to positive int sizes.
+
+    The one check of the ``{axis name: size}`` argument of :func:`~.mesh.make_mesh` and
+    :func:`~.simulate.simulated_mesh`; ``where`` names the caller in the messages.
+
+    Example:
+        >>> checked_axes({"dp": 2, "tp": 1}, "make_mesh")
+        {'dp': 2, 'tp': 1}
+        >>> checked_axes({"dp": 0}, "make_mesh")
+        Traceback (most recent call last):
+        ...
+        ValueError: make_mesh({'dp': 0}): mesh axis sizes must be positive integers, but 'dp' has size 0. Give every axis a size >= 1 (an axis of size 1 is allowed), with a product equal to the number of ranks.
+    """
+    if not isinstance(axes, Mapping):
+        example = "{'dp': 2, 'tp': 2}"
+        if isinstance(axes, (list, tuple)) and axes and all(isinstance(a, str) for a in axes):
+            example = "{" + ", ".join(f"{a!r}: <size>" for a in axes) + "}"
+        raise TypeError(
+            f"{where} takes a dict {{axis name: size}}, got {axes!r} ({type(axes).__name__}). "
+            f"Give every axis its size, e.g. {where}({example})."
+        )
+    if not axes:
+        raise ValueError(
+            f"{where}({{}}) has no axes; name at least one, e.g. {where}({{'dp': {example_size}}})."
+        )
+    out: dict[str, int] = {}
+    for name, size in axes.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{where}({dict(axes)!r}): mesh axis names must be strings, but {name!r} is "
+                f"not ({type(name).__name__}). Name axes with strings, e.g. {{'dp': {size!r}}} "
+                f"(ff.Axis.DP, ff.Axis.TP, ... are strings too)."
+            )
+        if not name:
+            raise TypeError(
+                f"{where}({dict(axes)!r}): a mesh axis name is the empty string; name every "
+                f"axis, e.g. {{'dp': {size!r}}}."
+            )
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            value = operator.index(size)  # ints, numpy and 0-dim torch ints; never 1.7 -> 1
+        except TypeError:
+            raise TypeError(
+                f"{where}({dict(axes)!r}): mesh axis {name!r} has size {size!r} "
+                f"({type(size).__name__}); sizes must be integers, e.g. {{{name!r}: 2}}. "
+                f"A size is never rounded."
+            ) from None
+        if value < 1:
+            raise ValueError(
+                f"{where}({dict(axes)!r}): mesh axis sizes must be positive integers, but "
+                f"{name!r} has size {value}. Give every axis a size >= 1 (an axis of size 1 "
+                f"is allowed), with a product equal to the number of ranks."
+            )
+        out[str.__str__(name)] = value
+    return out
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import operator
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +28,7 @@ from .axes import axis_size as axis_size
 from .axes import axis_sizes as axis_sizes
 from .axes import check_axes as check_axes
 from .axes import check_mesh as check_mesh
+from .axes import checked_axes as checked_axes
 from .axes import coordinate_of as coordinate_of
 from .axes import describe_mesh as describe_mesh
 from .axes import local_coordinate as local_coordinate
@@ -266,48 +265,6 @@ def _environ_restored(keys: tuple[str, ...] = _LAUNCH_VARS) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _mesh_axes(axes: Any) -> dict[str, int]:
-    """``axes`` checked: a non-empty mapping of string names to positive int sizes."""
-    if not isinstance(axes, Mapping):
-        example = "{'dp': 2, 'tp': 2}"
-        if isinstance(axes, (list, tuple)) and axes and all(isinstance(a, str) for a in axes):
-            example = "{" + ", ".join(f"{a!r}: <size>" for a in axes) + "}"
-        raise TypeError(
-            f"make_mesh takes a dict {{axis name: size}}, got {axes!r} ({type(axes).__name__}). "
-            f"Give every axis its size, e.g. make_mesh({example})."
-        )
-    if not axes:
-        raise ValueError(
-            "make_mesh({}) has no axes; name at least one, e.g. make_mesh({'dp': world_size})."
-        )
-    out: dict[str, int] = {}
-    for name, size in axes.items():
-        if not isinstance(name, str):
-            raise TypeError(
-                f"make_mesh({dict(axes)!r}): mesh axis names must be strings, but {name!r} is "
-                f"not ({type(name).__name__}). Name axes with strings, e.g. {{'dp': {size!r}}} "
-                f"(ff.Axis.DP, ff.Axis.TP, ... are strings too)."
-            )
-        try:
-            if isinstance(size, bool):
-                raise TypeError
-            value = operator.index(size)  # ints, numpy and 0-dim torch ints; never 1.7 -> 1
-        except TypeError:
-            raise TypeError(
-                f"make_mesh({dict(axes)!r}): mesh axis {name!r} has size {size!r} "
-                f"({type(size).__name__}); sizes must be integers, e.g. {{{name!r}: 2}}. "
-                f"A size is never rounded."
-            ) from None
-        if value < 1:
-            raise ValueError(
-                f"make_mesh({dict(axes)!r}): mesh axis sizes must be positive integers, but "
-                f"{name!r} has size {value}. Give every axis a size >= 1 (an axis of size 1 "
-                f"is allowed), with a product equal to the number of ranks."
-            )
-        out[str.__str__(name)] = value
-    return out
-
-
 def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> DeviceMesh:
     """A ``DeviceMesh`` with named axes over all ranks, e.g. ``make_mesh({"dp": 2, "tp": 2})``.
 
@@ -332,7 +289,7 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
         ...
         TypeError: make_mesh({'dp': 1.7}): mesh axis 'dp' has size 1.7 (float); sizes must be integers, e.g. {'dp': 2}. A size is never rounded.
     """
-    sizes_by_name = _mesh_axes(axes)
+    sizes_by_name = checked_axes(axes, "make_mesh", example_size="world_size")
     names, sizes = tuple(sizes_by_name), tuple(sizes_by_name.values())
     with _environ_restored():
         init_distributed(device_type=device_type)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import sys
 import sysconfig
 from collections.abc import Callable, Mapping
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .axes import _ENDED, _MeshMarks, coordinate_of
+from .axes import _ENDED, _MeshMarks, checked_axes, coordinate_of
 from .axes import check_alive as check_alive
 
 # --------------------------------------------------------------------------- torch's simulation
@@ -326,37 +325,6 @@ class SimulatedMeshContext:
         )
 
 
-def _checked_axes(axes: Any) -> dict[str, int]:
-    example = "ff.simulated_mesh({'dp': 8}) or ff.simulated_mesh({'dp': 2, 'tp': 4})"
-    if not isinstance(axes, Mapping):
-        raise TypeError(
-            f"simulated_mesh() takes a mapping from axis name to size, got {axes!r} "
-            f"({type(axes).__name__}); write {example}."
-        )
-    if not axes:
-        raise ValueError(f"simulated_mesh() needs at least one axis, got {{}}; write {example}.")
-    out: dict[str, int] = {}
-    for name, size in axes.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(
-                f"simulated_mesh({dict(axes)!r}): axis names must be non-empty strings, got "
-                f"{name!r} ({type(name).__name__}); name the axes, e.g. {example}."
-            )
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-            raise TypeError(
-                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be an int, "
-                f"got {size!r} ({type(size).__name__}); write e.g. {{{name!r}: 8}}."
-            )
-        if size < 1:
-            raise ValueError(
-                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be at least "
-                f"1, got {size}; a mesh axis holds one or more ranks (use size 1 for an axis "
-                f"that does not split anything)."
-            )
-        out[name] = int(size)
-    return out
-
-
 @overload
 def simulated_mesh(
     axes: Mapping[str, int], *, persistent: Literal[False] = False, shapes_only: bool = False
@@ -409,7 +377,7 @@ def simulated_mesh(
         [2.0, 3.0]
         >>> ff.end_simulation()
     """
-    checked = _checked_axes(axes)
+    checked = checked_axes(axes, "simulated_mesh", example_size="8")
     _local_tensor_module()
     if persistent:
         mesh = _start(checked, shapes_only, persistent=True).mesh
