@@ -6,18 +6,21 @@ functional ops, so it works under plain autograd and inside ``torch.func.grad``,
 
 * :func:`all_gather` and :func:`reduce_scatter` are each other's transpose.
 * :func:`all_reduce` (forward psum, backward identity) and :func:`all_reduce_grad`
-  (forward identity, backward psum) are each other's transpose; these are Megatron's
-  ``reduce_from`` and ``copy_to``.
+  (forward identity, backward psum) are each other's transpose; ``ff.reduce_from`` and
+  ``ff.copy_to`` are Megatron's names for them over ``"tp"``.
 
-Every call is recorded by the active :func:`count_comms` counters (:mod:`.accounting`). A collective over an axis
-of size 1 is skipped and not counted.
+Every call is recorded by the active :func:`count_comms` counters (:mod:`.accounting`). A
+collective over an axis of size 1 is skipped and not counted.
 
 Failures are named. A collective that times out or loses a peer raises
-:class:`CollectiveError` (:mod:`.failures`), which says which collective, over which mesh axis, with which shape
-and dtype, what usually causes it and how to change the timeout. With
+:class:`CollectiveError` (:mod:`.failures`), which says which collective, over which mesh
+axis, with which shape and dtype, what usually causes it and how to change the timeout. With
 :func:`check_collectives` (or ``FUNCTIONAL_FSDP_CHECK=1``) every rank first checks that all
 ranks of the group issue the same collective with the same shapes and dtypes, and
-:func:`check_same_on_ranks` checks that values meant to be replicated are.
+:func:`check_same_on_ranks` checks that values meant to be replicated are (both in
+:mod:`.checks`; when it is off, a collective reads only its switch).
+
+The names of those modules that the rest of the library uses are re-exported here.
 """
 
 from __future__ import annotations
