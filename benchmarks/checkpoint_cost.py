@@ -2,7 +2,7 @@
 
 The variants take ``ff.train_step`` steps in the same processes, in rotation (so machine
 noise hits them alike), on the same model, batch and mesh: without checkpointing, with
-``Policy(checkpoint=True)``, and with ``--global-batch`` also without checkpointing but with
+``Policy(activation_checkpointing=True)``, and with ``--global-batch`` also without checkpointing but with
 ``randomness="global_batch"``. Prints a Markdown table: the median step time, the peak
 memory a step adds on top of the resting process, and the storage autograd holds for
 backward at the end of the forward (the activations checkpointing saves).
@@ -74,7 +74,7 @@ def main() -> None:
     base = ff.fsdp(model, mesh)
 
     def variant(checkpoint: bool, **options: Any) -> Callable[[torch.Tensor], None]:
-        sm = dataclasses.replace(base, policy=ff.Policy(checkpoint=checkpoint))
+        sm = dataclasses.replace(base, policy=ff.Policy(activation_checkpointing=checkpoint))
         loss_fn = lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:])  # noqa: E731
         step = ff.train_step(loss_fn, opt, model=sm, batch="local", **options)
         box = {"state": ff.TrainState.create(sm.shard(), opt)}
@@ -88,7 +88,10 @@ def main() -> None:
         run.saved = saved  # type: ignore[attr-defined]
         return run
 
-    systems = {"no checkpointing": variant(False), "Policy(checkpoint=True)": variant(True)}
+    systems = {
+        "no checkpointing": variant(False),
+        "Policy(activation_checkpointing=True)": variant(True),
+    }
     if args.global_batch:
         systems["randomness='global_batch'"] = variant(False, randomness="global_batch")
     g = torch.Generator().manual_seed(rank)

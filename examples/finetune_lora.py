@@ -274,7 +274,7 @@ def main() -> None:
     mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}), device_type=device.type)
     bf16 = args.mixed_precision == "bf16"
     policy = ff.Policy(
-        checkpoint=True,  # activation checkpointing per unit: one per decoder layer
+        activation_checkpointing=True,  # recompute activations per unit: one per decoder layer
         mixed_precision=ff.MixedPrecision(
             param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
         ),

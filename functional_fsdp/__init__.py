@@ -5,6 +5,7 @@ data (a :class:`P` per tensor), and ``shard``/``gather``/``reshard`` move values
 layouts with explicit, differentiable collectives.
 """
 
+from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
 from ._partition import combine as combine
 from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves

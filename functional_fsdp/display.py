@@ -18,7 +18,7 @@ from typing import Any
 import optree
 
 from .distributed.mesh import axis_sizes
-from .sharded import Sharded
+from .sharded import Sharded, provide
 from .spec import Layout, format_mesh
 
 # Light backgrounds that stay readable with black text on light and dark themes.
@@ -522,3 +522,6 @@ def describe(tree: Any, *, console: Any = None) -> None:
     from rich.console import Group
 
     _print(Group(*lines), console, False)
+
+
+provide("_repr_html_", to_html)  # Sharded._repr_html_

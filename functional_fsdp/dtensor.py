@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .distributed.mesh import axis_names, axis_sizes, rank_at
 from .distributed.simulate import on_rank, per_coordinate
 from .resharding import gather, reshard
-from .sharded import Sharded, _layout, _sizes_key, unpad
+from .sharded import Sharded, _layout, _sizes_key, provide, unpad
 from .spec import Layout, P
 
 
@@ -188,3 +188,7 @@ def from_dtensor(dt: torch.distributed.tensor.DTensor) -> Sharded:
         return torch.nn.functional.pad(piece, padding) if any(pads) else piece
 
     return Sharded(per_coordinate(mesh, padded), shape, spec, mesh)
+
+
+provide("to_dtensor", to_dtensor)
+provide("from_dtensor", from_dtensor)

@@ -35,7 +35,9 @@ from typing import IO, Any, NamedTuple
 import cloudpickle
 import torch
 
+from .distributed import process
 from .distributed.mesh import rank_device
+from .distributed.process import free_port
 
 _GRACE_S = 3.0
 """After one rank fails, how long the others get to answer (they are often stuck in a
@@ -70,12 +72,6 @@ class WorkerError(RuntimeError):
     """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- the worker side
 
 _BOOTSTRAP = """\
@@ -101,8 +97,6 @@ def _sync_output(seq: int) -> None:
 
 def _worker_main(conn: Connection, config: dict[str, Any]) -> None:
     """A worker's life: join the process group, serve calls, tear down cleanly."""
-    import torch.distributed as dist
-
     from .distributed.mesh import init_distributed
 
     torch.set_num_threads(config["threads"])
@@ -137,8 +131,8 @@ def _worker_main(conn: Connection, config: dict[str, Any]) -> None:
         _sync_output(seq)
         conn.send_bytes(pickle.dumps(message))
     # Clean teardown: no rank closes its connections while another still uses them.
-    dist.barrier()
-    dist.destroy_process_group()
+    process.barrier()
+    process.destroy_group()
 
 
 def _describe(e: BaseException, stage: str, timeout: float | None = None) -> dict[str, str]:
@@ -393,7 +387,7 @@ class ProcessPool:
         self.timeout = float(timeout)
         self.collective_timeout = collective_timeout
         threads = max(1, (os.cpu_count() or 1) // world_size)
-        port = str(_free_port())
+        port = str(free_port())
         config = {
             "sys_path": list(sys.path),
             "threads": threads,

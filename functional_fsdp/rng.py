@@ -30,8 +30,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .distributed.mesh import _simulation_paused, axis_sizes, coordinate_of, local_coordinate
-from .distributed.simulate import is_simulated
+from .distributed.axes import _simulation_paused, axis_sizes, coordinate_of, local_coordinate
+from .distributed.simulate import is_simulated, simulation_mode
 
 _MASK = (1 << 64) - 1
 
@@ -132,11 +132,7 @@ def _seed_of(bits: int) -> int:
 
 
 def _local_mode() -> Any:
-    if not is_simulated():
-        return None
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
-    mode = enabled_local_tensor_mode()
+    mode = simulation_mode()
     return mode if mode is not None and mode._per_rank_rng_states else None
 
 

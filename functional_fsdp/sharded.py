@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -23,7 +24,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._tree import NAMESPACE
-from .distributed.mesh import axis_sizes
+from .distributed.axes import axis_sizes
 from .spec import Layout, P, format_mesh
 
 
@@ -129,9 +130,7 @@ class Sharded:
         """The layout as a small HTML table (Jupyter shows it): which mesh coordinate owns
         which block, with padding, as :func:`functional_fsdp.visualize` draws it. Reads only
         the layout: no process group, no communication."""
-        from .display import to_html
-
-        return to_html(self)
+        return _provided("_repr_html_", "functional_fsdp.display")(self)
 
     def to_dtensor(self) -> torch.distributed.tensor.DTensor:
         """Convert to a ``DTensor`` (lossless; padding is dropped).
@@ -139,16 +138,34 @@ class Sharded:
         A dim split over axes in mesh order uses ``Shard``; a dim split over two axes against
         mesh order (FSDP on top of TP) uses torch's ``_StridedShard``.
         """
-        from .dtensor import to_dtensor
-
-        return to_dtensor(self)
+        return _provided("to_dtensor", "functional_fsdp.dtensor")(self)
 
     @staticmethod
     def from_dtensor(dtensor: torch.distributed.tensor.DTensor) -> Sharded:
         """Convert a ``DTensor`` with ``Shard``/``_StridedShard``/``Replicate`` placements."""
-        from .dtensor import from_dtensor
+        return _provided("from_dtensor", "functional_fsdp.dtensor")(dtensor)
 
-        return from_dtensor(dtensor)
+
+# Methods of Sharded whose code lives in a layer above this one: the picture (display.py)
+# and the DTensor bridge (dtensor.py, which needs gather/reshard). Each of those modules
+# provides its method when it is imported, which importing the package always does; the
+# core never imports upward, and the method's signature and docstring stay on the class.
+_PROVIDERS: dict[str, Callable[..., Any]] = {}
+
+
+def provide(method: str, fn: Callable[..., Any]) -> None:
+    """Install the implementation of ``Sharded.<method>`` (called once, by its module)."""
+    _PROVIDERS[method] = fn
+
+
+def _provided(method: str, module: str) -> Callable[..., Any]:
+    fn = _PROVIDERS.get(method)
+    if fn is None:  # only if the package was bypassed: fail loudly, never do nothing
+        raise RuntimeError(
+            f"Sharded.{method} is implemented in {module}, which has not been imported; "
+            f"import functional_fsdp (or {module}) first."
+        )
+    return fn
 
 
 def _sizes_key(mesh: DeviceMesh) -> tuple[tuple[str, int], ...]:

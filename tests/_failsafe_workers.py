@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import functional_fsdp as ff
-from functional_fsdp.distributed import collectives as C
-from functional_fsdp.launcher import _free_port
+from functional_fsdp.distributed import checks
+from functional_fsdp.distributed.process import free_port
 from functional_fsdp.models import GPT, lm_loss
 
 from ._fsdp_workers import CFG
@@ -288,7 +288,7 @@ def run_fresh(
     queues = [ctx.Queue() for _ in jobs]
     procs = []
     for (fn, args), results in zip(jobs, queues):
-        port = _free_port()
+        port = free_port()
         procs += [
             ctx.Process(target=_fresh_entry, args=(r, world, port, timeout_s, fn, args, results))
             for r in range(world)
@@ -417,10 +417,10 @@ def shard_checks() -> dict:
     os.environ["FUNCTIONAL_FSDP_CHECK"] = "1"
     try:
         ff.init_distributed()  # the group exists: it only reads the switch (and a timeout)
-        out["env_switch"] = C._CHECK
+        out["env_switch"] = checks._CHECK
         out["env_differs"] = _caught(lambda: ff.shard(differs, mesh, ff.P("dp")))
     finally:
-        C._CHECK = False
+        checks._CHECK = False
         if previous is None:
             os.environ.pop("FUNCTIONAL_FSDP_CHECK")
         else:

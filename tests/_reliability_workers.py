@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import functional_fsdp as ff
 from functional_fsdp.checkpoint import CheckpointError, CheckpointManager, _atomic
-from functional_fsdp.launcher import _free_port
+from functional_fsdp.distributed.process import free_port
 from functional_fsdp.models import GPT, GPTConfig, lm_loss
 
 from ._fsdp_workers import CFG
@@ -84,7 +84,7 @@ def run_until_killed(
     agent would). Returns the exit codes (``-9`` for SIGKILL)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])  # torch imported once, processes fork quickly
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_crash_entry, args=(r, world, port, fn, args)) for r in range(world)
     ]

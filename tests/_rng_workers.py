@@ -1,7 +1,7 @@
 """Worker functions for the randomness and activation-checkpointing tests (gloo processes).
 
 :func:`recompute_check` is the reusable check: give it a model builder, and it compares the
-gradients with ``Policy(checkpoint=True)`` against those without, drawn from the same key.
+gradients with ``Policy(activation_checkpointing=True)`` against those without, drawn from the same key.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def recompute_check(
     check_key: bool = True,
     shard: Shard = _fsdp,
 ) -> dict[str, Any]:
-    """Gradients with ``Policy(checkpoint=True)`` against ``checkpoint=False`` (same key).
+    """Gradients with ``Policy(activation_checkpointing=True)`` against ``activation_checkpointing=False`` (same key).
 
     ``build()`` makes the model (in training mode for dropout); ``loss_of(sharded_model,
     params, batch)`` its mean loss on this rank's ``batch``; ``shard(model, mesh, policy)``
@@ -150,7 +150,13 @@ def recompute_check(
     key = ff.rng_key(seed)
     runs = {
         ck: _grads(
-            model, mesh, ff.Policy(checkpoint=ck, mixed_precision=mp), key, loss_of, batch, shard
+            model,
+            mesh,
+            ff.Policy(activation_checkpointing=ck, mixed_precision=mp),
+            key,
+            loss_of,
+            batch,
+            shard,
         )
         for ck in (False, True)
     }
@@ -357,7 +363,7 @@ def backward_draws(model: nn.Module, mesh: Any, shard: Shard) -> bool:
     active): the state at the end of the forward against the state after the backward."""
     from functional_fsdp import rng
 
-    sm = shard(model.train(), mesh, ff.Policy(checkpoint=True))
+    sm = shard(model.train(), mesh, ff.Policy(activation_checkpointing=True))
     ids, after_forward = lm_batch(0, rows=2, length=9), []
 
     def loss(p: Any) -> torch.Tensor:

@@ -319,7 +319,7 @@ def test_debug_mode_names_the_parameters_of_fsdp_buckets_that_differ(pools):
 
 
 def test_debug_mode_is_off_by_default_and_scoped():
-    from functional_fsdp.distributed import collectives as C
+    from functional_fsdp.distributed import checks as C
 
     assert C._CHECK is False
     with ff.check_collectives():

@@ -16,7 +16,7 @@ from . import _fsdp_workers as W
 POLICIES = {
     "zero3": ff.Policy(),
     "shard_grad_op": ff.Policy(reshard_after_forward=False),  # FSDP's "ZeRO-2"
-    "checkpoint": ff.Policy(checkpoint=True),
+    "checkpoint": ff.Policy(activation_checkpointing=True),
     "prefetch2": ff.Policy(prefetch=2),
 }
 MESHES = [{"dp": 2}, {"dp": 4}, {"replicate": 2, "shard": 2}]
@@ -410,7 +410,7 @@ def test_plain_autograd_and_vjp_match_the_reference(backward):
     idx, tgt = W.gpt_batch()
     ref_loss, ref = W.reference(model, idx, tgt)
     with ff.simulated_mesh({"dp": 2}) as mesh:
-        f = ff.fsdp(model, mesh, policy=ff.Policy(checkpoint=True))
+        f = ff.fsdp(model, mesh, policy=ff.Policy(activation_checkpointing=True))
         params = f.shard()
         xs, ys = (rank_map(lambda r, t=t: t[r * 4 : r * 4 + 4]) for t in (idx, tgt))
         if backward == "vjp":

@@ -38,13 +38,15 @@ CASES_2 = {
         model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(mixed_precision=BF16))
     ),
     "zero3_ckpt_prefetch2": dict(
-        model="gpt", mesh={"dp": 2}, fsdp=dict(policy=ff.Policy(checkpoint=True, prefetch=2))
+        model="gpt",
+        mesh={"dp": 2},
+        fsdp=dict(policy=ff.Policy(activation_checkpointing=True, prefetch=2)),
     ),
     "llama_zero3": dict(model="llama", mesh={"dp": 2}),
     "llama_zero2_ckpt": dict(
         model="llama",
         mesh={"dp": 2},
-        fsdp=dict(policy=ff.Policy(reshard_after_forward=False, checkpoint=True)),
+        fsdp=dict(policy=ff.Policy(reshard_after_forward=False, activation_checkpointing=True)),
     ),
 }
 CASES_4 = {
@@ -193,7 +195,7 @@ def llama_tp_plan(head_dim: int) -> dict:
 
 def test_70b_llama_plans_in_under_5_seconds_without_allocating():
     model = llama_70b()
-    policy = ff.Policy(mixed_precision=BF16, checkpoint=True)
+    policy = ff.Policy(mixed_precision=BF16, activation_checkpointing=True)
     start = time.process_time()  # CPU time: the machine may be shared
     dp = plan(model, {"dp": 1024}, batch=(1024, 4096), policy=policy)
     dp_s = time.process_time() - start
@@ -357,7 +359,7 @@ def test_checkpointing_trades_activations_for_recompute():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16))
     plain = plan(model, {"dp": 2}, batch=(4, 16))
-    ckpt = plan(model, {"dp": 2}, batch=(4, 16), policy=ff.Policy(checkpoint=True))
+    ckpt = plan(model, {"dp": 2}, batch=(4, 16), policy=ff.Policy(activation_checkpointing=True))
     assert ckpt.activation_bytes == plain.activation_bytes_checkpoint < plain.activation_bytes
     assert ckpt.recompute_bytes == max(u.activation_bytes for u in plain.units[1:5])
     assert plain.recompute_bytes == 0

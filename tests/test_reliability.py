@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from functional_fsdp.launcher import _free_port
+from functional_fsdp.distributed.process import free_port
 
 from . import _reliability_workers as W
 
@@ -174,7 +174,7 @@ def _torchrun(directory: Path, out: Path, kill_at: int, async_save: bool) -> str
         "--max-restarts=3",
         "--monitor-interval=0.1",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "tests/_resume_script.py",
         "--dir",
         str(directory),
@@ -255,7 +255,7 @@ def test_train_gpt_example_resumes_from_its_checkpoint_dir(tmp_path):
 
     def run(*extra: str) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-        cmd += [f"--master-port={_free_port()}", "examples/train_gpt.py", *tiny, *extra]
+        cmd += [f"--master-port={free_port()}", "examples/train_gpt.py", *tiny, *extra]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout

@@ -1,6 +1,6 @@
 """Randomness as an input, and activation checkpointing that replays its forward exactly.
 
-Real gloo runs: gradients with ``Policy(checkpoint=True)`` equal those without (bitwise) on
+Real gloo runs: gradients with ``Policy(activation_checkpointing=True)`` equal those without (bitwise) on
 Hugging Face GPT-2 and Llama, the project's GPT and a peft LoRA model, with and without
 dropout, in fp32 and bf16, on 1 and 2 ranks; on every architecture of the zoo with dropout
 (and three under FSDP+TP); dropout masks under ``train_step`` differ
@@ -249,7 +249,7 @@ def test_recompute_replays_mutated_keyword_inputs_and_dataclass_outputs():
     grads, caches = {}, {}
     with ff.simulated_mesh({"dp": 2}) as mesh:
         for ck in (False, True):
-            sm = ff.fsdp(model, mesh, policy=ff.Policy(checkpoint=ck))
+            sm = ff.fsdp(model, mesh, policy=ff.Policy(activation_checkpointing=ck))
             cache = _KV()
 
             def loss(p, cache=cache, sm=sm):

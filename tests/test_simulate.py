@@ -33,15 +33,15 @@ def _no_simulation_left():
 @pytest.mark.parametrize(
     ("axes", "error", "match"),
     [
-        ({"dp": 0}, ValueError, r"size of axis 'dp' must be at least 1, got 0"),
-        ({"dp": -2}, ValueError, r"size of axis 'dp' must be at least 1, got -2"),
-        ({1: 2}, TypeError, r"axis names must be non-empty strings, got 1 \(int\)"),
-        ({"": 2}, TypeError, r"axis names must be non-empty strings, got '' \(str\)"),
-        ({"dp": 2.0}, TypeError, r"size of axis 'dp' must be an int, got 2.0 \(float\)"),
-        ({"dp": "2"}, TypeError, r"size of axis 'dp' must be an int, got '2' \(str\)"),
-        ({"dp": True}, TypeError, r"size of axis 'dp' must be an int, got True \(bool\)"),
-        ([("dp", 2)], TypeError, r"takes a mapping from axis name to size.*\{'dp': 8\}"),
-        ({}, ValueError, r"needs at least one axis"),
+        ({"dp": 0}, ValueError, r"sizes must be positive integers, but 'dp' has size 0"),
+        ({"dp": -2}, ValueError, r"sizes must be positive integers, but 'dp' has size -2"),
+        ({1: 2}, TypeError, r"axis names must be strings, but 1 is not \(int\)"),
+        ({"": 2}, TypeError, r"a mesh axis name is the empty string; name every axis"),
+        ({"dp": 2.0}, TypeError, r"axis 'dp' has size 2.0 \(float\); sizes must be integers"),
+        ({"dp": "2"}, TypeError, r"axis 'dp' has size '2' \(str\); sizes must be integers"),
+        ({"dp": True}, TypeError, r"axis 'dp' has size True \(bool\); sizes must be integers"),
+        ([("dp", 2)], TypeError, r"simulated_mesh takes a dict \{axis name: size\}, got \["),
+        ({}, ValueError, r"simulated_mesh\(\{\}\) has no axes; .* simulated_mesh\(\{'dp': 8\}\)"),
     ],
 )
 @pytest.mark.parametrize("persistent", [False, True])

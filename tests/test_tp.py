@@ -193,7 +193,7 @@ def test_2d_communication_per_axis():
 
 @pytest.mark.parametrize(
     "policy",
-    [ff.Policy(reshard_after_forward=False), ff.Policy(checkpoint=True, prefetch=2)],
+    [ff.Policy(reshard_after_forward=False), ff.Policy(activation_checkpointing=True, prefetch=2)],
     ids=["shard_grad_op", "checkpoint"],
 )
 def test_policies_compose_with_tp(policy):

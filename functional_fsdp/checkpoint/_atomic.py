@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from ..distributed import process
 
 MARKER = "COMMIT.json"
 FORMAT = "functional_fsdp.checkpoint/1"
@@ -70,31 +71,12 @@ def _phase(name: str) -> None:
 
 
 def _group_info(group: Any) -> tuple[int, int, bool]:
-    if not dist.is_initialized():
-        return 0, 1, False
-    return dist.get_rank(group), dist.get_world_size(group), True
-
-
-def _broadcast(value: Any, group: Any) -> Any:
-    """Rank 0's ``value`` on every rank of ``group``."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, group_src=0, group=group)
-    return box[0]
-
-
-def _gather(value: Any, group: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
+    return process.rank(group), process.world_size(group), process.is_initialized()
 
 
 def _agree(error: str | None, group: Any) -> None:
     """Raise the same :class:`CheckpointError` on every rank if any rank reports an error."""
-    errors = [e for e in _gather(error, group) if e]
+    errors = [e for e in process.gather_objects(error, group) if e]
     if errors:
         raise CheckpointError(errors[0] if len(set(errors)) == 1 else "\n".join(errors))
 
@@ -240,7 +222,7 @@ def save_state_dict(
                 f"{where}: {_describe(e)}. {_fix_for(str(e))} The previous checkpoint at this "
                 f"path, if any, is untouched."
             )
-    tmp, error = _broadcast((tmp, error), process_group)
+    tmp, error = process.broadcast_object((tmp, error), process_group)
     if error or tmp is None:
         raise CheckpointError(error or f"{where}: rank 0 made no temporary directory")
     _phase("started")
@@ -274,7 +256,7 @@ def save_state_dict(
     except OSError as e:
         error = f"{where}: hashing the files failed: {_describe(e)}"
     _agree(error, process_group)
-    per_rank = _gather(mine, process_group)
+    per_rank = process.gather_objects(mine, process_group)
 
     error = None
     if rank == 0:
@@ -456,7 +438,7 @@ def verify(path: str | os.PathLike[str], *, process_group: Any = None) -> Path:
             found = resolve(path)
         except CheckpointError as e:
             found = str(e)
-    found = _broadcast(found, process_group)
+    found = process.broadcast_object(found, process_group)
     if not isinstance(found, tuple):
         raise CheckpointError(str(found))
     directory, marker = found
@@ -480,7 +462,7 @@ def describe_error(path: str | os.PathLike[str], exc: BaseException) -> Checkpoi
 def load_state_dict(path: str | os.PathLike[str], state_dict: dict[str, Any]) -> None:
     """``dcp.load`` into ``state_dict``; its failures raised as :class:`CheckpointError`."""
     try:
-        with _single_process_quiet(dist.is_initialized()):
+        with _single_process_quiet(process.is_initialized()):
             dcp.load(state_dict, checkpoint_id=os.fspath(path))
     except CheckpointException as e:  # a BaseException: `except Exception` would miss it
         raise describe_error(path, e) from None

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.mesh import axis_sizes
+from ..distributed import process
+from ..distributed.axes import axis_names, axis_sizes, rank_at
 from ..distributed.simulate import is_simulated
-from ..fsdp.plan import unit_of as unit_of
+from ..fsdp.layout import unit_of as unit_of
 from ..sharded import Sharded
 from ..spec import format_mesh
 
@@ -142,9 +143,7 @@ def is_writer(mesh: Any) -> bool:
     """Whether this process writes files: the rank at coordinate 0 (every simulated one)."""
     if is_simulated():
         return True
-    import torch.distributed as dist
-
-    return dist.get_rank() == int(mesh.mesh.flatten()[0])
+    return process.rank() == rank_at(mesh, dict.fromkeys(axis_names(mesh), 0))
 
 
 def check_path_exists(what: str, path: str | os.PathLike[str]) -> str:

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._tree import tree_map
+from ..distributed import process
 from ..sharded import Sharded
 from . import _atomic
 from .dcp import _flatten
@@ -105,8 +105,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._group = process.new_group("gloo")
+        self._rank = process.rank()
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             if async_save
@@ -117,7 +117,7 @@ class CheckpointManager:
         if self._rank == 0:
             self._remove_stale()
         if self._group is not None:
-            dist.barrier(group=self._group)  # every rank sees the cleaned directory
+            process.barrier(self._group)  # every rank sees the cleaned directory
 
     # ------------------------------------------------------------------ queries
 
@@ -232,7 +232,7 @@ class CheckpointManager:
                 )
             elif step is None:
                 chosen = steps[-1]
-        chosen = _atomic._broadcast(chosen, self._group)
+        chosen = process.broadcast_object(chosen, self._group)
         if isinstance(chosen, str):
             raise _atomic.CheckpointError(chosen)
         return _load(_step_dir(self.directory, int(chosen)), like)
@@ -251,8 +251,8 @@ class CheckpointManager:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
-            if self._group is not None and dist.is_initialized():
-                dist.destroy_process_group(self._group)
+            if self._group is not None:
+                process.destroy_group(self._group)
                 self._group = None
 
     def __enter__(self) -> CheckpointManager:

@@ -1,4 +1,8 @@
-"""Processes and named device meshes.
+"""Joining the job and building named device meshes: ``init_distributed``, ``make_mesh``.
+
+The top of the distributed layer. Reading a mesh by axis name (``axis_sizes``,
+``coordinate_of``, ``check_mesh`` ...) is :mod:`.axes`, re-exported here so that
+``from functional_fsdp.distributed.mesh import axis_sizes`` keeps working.
 
 Code names mesh axes and never indexes them: ``axis_size(mesh, "dp")``, not ``mesh.size(0)``.
 """
@@ -7,11 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import enum
 import math
-import operator
 import os
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -19,30 +20,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..spec import did_you_mean, format_mesh
-from . import restarts
-
-
-class Axis(str, enum.Enum):
-    """Conventional mesh-axis names. Any string works; these keep scripts consistent.
-
-    Example:
-        >>> from functional_fsdp import P
-        >>> P(Axis.TP, Axis.DP)
-        P('tp', 'dp')
-    """
-
-    DP = "dp"
-    """Data parallel: shards parameters (FSDP) or replicates them (DDP)."""
-    TP = "tp"
-    """Tensor (model) parallel: splits layers; gradients need no data reduction over it."""
-    REPLICATE = "replicate"
-    """The replicated data axis of hybrid sharding (HSDP)."""
-    SHARD = "shard"
-    """The sharded data axis of hybrid sharding (HSDP)."""
-
-    def __str__(self) -> str:
-        return self.value
+from ..spec import did_you_mean
+from . import checks, restarts
+from .axes import Axis as Axis
+from .axes import MeshGrid as MeshGrid
+from .axes import _simulation_paused as _simulation_paused
+from .axes import axis_names as axis_names
+from .axes import axis_size as axis_size
+from .axes import axis_sizes as axis_sizes
+from .axes import check_axes as check_axes
+from .axes import check_mesh as check_mesh
+from .axes import checked_axes as checked_axes
+from .axes import coordinate_of as coordinate_of
+from .axes import describe_mesh as describe_mesh
+from .axes import local_coordinate as local_coordinate
+from .axes import mesh_device as mesh_device
+from .axes import mesh_grid as mesh_grid
+from .axes import rank_at as rank_at
+from .process import free_port
 
 
 def default_device_type() -> str:
@@ -214,12 +209,10 @@ def init_distributed(
         >>> device = init_distributed(timeout=datetime.timedelta(minutes=5))  # doctest: +SKIP
         >>> model = model.to(device)  # doctest: +SKIP
     """
-    from . import collectives
-
     chosen = _timeout(timeout)
     _check_backend(backend)
-    if collectives._env_check():  # the debug switch, read again once the run starts
-        collectives._CHECK = True
+    if checks._env_check():  # the debug switch, read again once the run starts
+        checks._CHECK = True
     single = "RANK" not in os.environ
     device = rank_device(
         device_type,
@@ -235,7 +228,7 @@ def init_distributed(
         backend = "nccl" if device.type == "cuda" and not oversubscribe else "gloo"
     if single:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -256,14 +249,6 @@ def _check_backend(backend: Any) -> None:
             f"leave it None for NCCL on CUDA and gloo on the CPU"
             f"{did_you_mean(str(backend).lower(), known)}."
         )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # What init_distributed writes into os.environ outside torchrun (see make_mesh).
@@ -296,48 +281,6 @@ def _environ_restored(keys: tuple[str, ...] = _LAUNCH_VARS) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _mesh_axes(axes: Any) -> dict[str, int]:
-    """``axes`` checked: a non-empty mapping of string names to positive int sizes."""
-    if not isinstance(axes, Mapping):
-        example = "{'dp': 2, 'tp': 2}"
-        if isinstance(axes, (list, tuple)) and axes and all(isinstance(a, str) for a in axes):
-            example = "{" + ", ".join(f"{a!r}: <size>" for a in axes) + "}"
-        raise TypeError(
-            f"make_mesh takes a dict {{axis name: size}}, got {axes!r} ({type(axes).__name__}). "
-            f"Give every axis its size, e.g. make_mesh({example})."
-        )
-    if not axes:
-        raise ValueError(
-            "make_mesh({}) has no axes; name at least one, e.g. make_mesh({'dp': world_size})."
-        )
-    out: dict[str, int] = {}
-    for name, size in axes.items():
-        if not isinstance(name, str):
-            raise TypeError(
-                f"make_mesh({dict(axes)!r}): mesh axis names must be strings, but {name!r} is "
-                f"not ({type(name).__name__}). Name axes with strings, e.g. {{'dp': {size!r}}} "
-                f"(ff.Axis.DP, ff.Axis.TP, ... are strings too)."
-            )
-        try:
-            if isinstance(size, bool):
-                raise TypeError
-            value = operator.index(size)  # ints, numpy and 0-dim torch ints; never 1.7 -> 1
-        except TypeError:
-            raise TypeError(
-                f"make_mesh({dict(axes)!r}): mesh axis {name!r} has size {size!r} "
-                f"({type(size).__name__}); sizes must be integers, e.g. {{{name!r}: 2}}. "
-                f"A size is never rounded."
-            ) from None
-        if value < 1:
-            raise ValueError(
-                f"make_mesh({dict(axes)!r}): mesh axis sizes must be positive integers, but "
-                f"{name!r} has size {value}. Give every axis a size >= 1 (an axis of size 1 "
-                f"is allowed), with a product equal to the number of ranks."
-            )
-        out[str.__str__(name)] = value
-    return out
-
-
 def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> DeviceMesh:
     """A ``DeviceMesh`` with named axes over all ranks, e.g. ``make_mesh({"dp": 2, "tp": 2})``.
 
@@ -362,7 +305,7 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
         ...
         TypeError: make_mesh({'dp': 1.7}): mesh axis 'dp' has size 1.7 (float); sizes must be integers, e.g. {'dp': 2}. A size is never rounded.
     """
-    sizes_by_name = _mesh_axes(axes)
+    sizes_by_name = checked_axes(axes, "make_mesh", example_size="world_size")
     names, sizes = tuple(sizes_by_name), tuple(sizes_by_name.values())
     with _environ_restored():
         init_distributed(device_type=device_type)
@@ -374,192 +317,3 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
             f"`torchrun --nproc-per-node {math.prod(sizes)}`."
         )
     return init_device_mesh(device_type or default_device_type(), sizes, mesh_dim_names=names)
-
-
-def check_mesh(mesh: Any, where: str) -> None:
-    """Raise a ``TypeError`` naming ``where`` if ``mesh`` is not a ``DeviceMesh``, and a
-    ``ValueError`` if it is the mesh of a simulation that has ended."""
-    if not isinstance(mesh, DeviceMesh):
-        from ..spec import P
-
-        if hasattr(mesh, "__enter__"):  # e.g. ff.simulated_mesh(...) itself: it says how to use it
-            getattr(mesh, "mesh_dim_names")  # noqa: B009
-
-        swapped = " (the arguments look swapped)" if isinstance(mesh, P) else ""
-        raise TypeError(
-            f"{where} takes a DeviceMesh with named axes, got {mesh!r} "
-            f"({type(mesh).__name__}){swapped}. Build one with ff.make_mesh({{'dp': N}}) "
-            f"(or ff.simulated_mesh in a notebook)."
-        )
-    from .simulate import check_alive  # a simulated mesh must still be running
-
-    check_alive(mesh, where)
-
-
-def describe_mesh(mesh: DeviceMesh) -> str:
-    """``Mesh(dp=2) over ranks [1, 0]``: the sizes and the rank layout, for error messages.
-
-    Two meshes with the same sizes can hold the ranks in another order; the ranks tell them
-    apart.
-    """
-    with torch._C._DisableFuncTorch():
-        grid: Any = mesh.mesh
-        per_rank = getattr(grid, "_local_tensors", None)  # simulated: the same everywhere
-        if per_rank is not None:
-            grid = next(iter(per_rank.values()))
-        ranks = grid.tolist()
-    return f"{format_mesh(axis_sizes(mesh))} over ranks {ranks}"
-
-
-def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The mesh's axis names, major to minor."""
-    names = mesh.mesh_dim_names
-    if names is None:
-        raise ValueError(
-            f"this DeviceMesh (shape {tuple(mesh.shape)}) has no axis names; build it with "
-            f"make_mesh({{'dp': ...}}) or init_device_mesh(..., mesh_dim_names=...)"
-        )
-    return tuple(names)
-
-
-def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:
-    """``{axis name: size}`` in mesh order.
-
-    Example:
-        >>> axis_sizes(make_mesh({"dp": 1}))  # doctest: +SKIP
-        {'dp': 1}
-    """
-    return dict(zip(axis_names(mesh), (int(s) for s in mesh.shape)))
-
-
-def axis_size(mesh: DeviceMesh, axis: str) -> int:
-    """The size of one named axis.
-
-    Raises:
-        ValueError: if the mesh has no such axis (the message suggests the closest name).
-
-    Example:
-        >>> import functional_fsdp as ff
-        >>> with ff.simulated_mesh({"dp": 2, "tp": 4}) as mesh:
-        ...     ff.axis_size(mesh, "tp")
-        4
-    """
-    sizes = axis_sizes(mesh)
-    if axis not in sizes:
-        raise ValueError(
-            f"axis_size: the mesh {format_mesh(sizes)} has no axis {axis!r}"
-            f"{did_you_mean(axis, sizes)}; name one of its axes {tuple(sizes)}."
-        )
-    return sizes[axis]
-
-
-def local_coordinate(mesh: DeviceMesh) -> dict[str, int]:
-    """This process's mesh coordinate by axis name, from the mesh's cached Python ints.
-
-    Unlike ``coordinate_of(mesh, dist.get_rank())`` it reads no tensor. Real processes only:
-    on a simulated mesh every rank lives in one process (use ``per_coordinate``).
-
-    Example:
-        >>> local_coordinate(make_mesh({"dp": 1}))  # doctest: +SKIP
-        {'dp': 0}
-    """
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not in the mesh {format_mesh(axis_sizes(mesh))}; call "
-            f"this only on ranks of the mesh."
-        )
-    return dict(zip(axis_names(mesh), (int(c) for c in coord)))
-
-
-class MeshGrid:
-    """Where every rank of a mesh sits, as Python ints, computed once per mesh.
-
-    Attributes:
-        names: the axis names, major to minor.
-        shape: the axis sizes.
-        ranks: the global ranks in row-major coordinate order.
-    """
-
-    __slots__ = ("_coords", "_index", "names", "ranks", "shape")
-
-    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...], ranks: tuple[int, ...]):
-        self.names, self.shape, self.ranks = names, shape, ranks
-        self._index = {r: i for i, r in enumerate(ranks)}
-        self._coords: dict[int, dict[str, int]] = {}
-
-    def coordinate(self, rank: int) -> dict[str, int]:
-        """The coordinate of a global rank by axis name (a new dict each call)."""
-        coord = self._coords.get(rank)
-        if coord is None:
-            index = self._index.get(rank)
-            if index is None:
-                raise ValueError(
-                    f"rank {rank} is not in the mesh {format_mesh(dict(zip(self.names, self.shape)))} "
-                    f"of ranks {list(self.ranks)}"
-                )
-            values = []
-            for size in reversed(self.shape):
-                values.append(index % size)
-                index //= size
-            coord = self._coords[rank] = dict(zip(self.names, reversed(values)))
-        return dict(coord)
-
-    def rank(self, coord: Mapping[str, int]) -> int:
-        """The global rank at a coordinate given by axis name."""
-        index = 0
-        for name, size in zip(self.names, self.shape):
-            index = index * size + coord[name]
-        return self.ranks[index]
-
-
-_GRIDS: weakref.WeakKeyDictionary[DeviceMesh, MeshGrid] = weakref.WeakKeyDictionary()
-
-
-def mesh_grid(mesh: DeviceMesh) -> MeshGrid:
-    """The mesh's :class:`MeshGrid`, computed on first use and cached with the mesh.
-
-    Reading ``mesh.mesh`` builds a tensor; on a simulated mesh every op on it runs once per
-    rank, so reading it per parameter and rank cost O(ranks²) each. The grid is read once,
-    outside any ``torch.func`` transform and outside the simulation.
-    """
-    grid = _GRIDS.get(mesh)
-    if grid is None:
-        grid = _GRIDS[mesh] = _read_grid(mesh)
-    return grid
-
-
-def _read_grid(mesh: DeviceMesh) -> MeshGrid:
-    names = axis_names(mesh)
-    with torch._C._DisableFuncTorch(), _simulation_paused():
-        tensor = mesh.mesh
-        per_rank = getattr(tensor, "_local_tensors", None)  # the same on every simulated rank
-        if per_rank is not None:
-            tensor = next(iter(per_rank.values()))
-        shape = tuple(int(s) for s in tensor.shape)
-        ranks = tuple(int(r) for r in tensor.reshape(-1).tolist())
-    return MeshGrid(names, shape, ranks)
-
-
-def _simulation_paused() -> contextlib.AbstractContextManager[None]:
-    """Switch a simulation's ``LocalTensorMode`` off (its factories make per-rank tensors)."""
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:  # pragma: no cover - depends on the torch build
-        return contextlib.nullcontext()
-    mode = enabled_local_tensor_mode()
-    return mode.disable() if mode is not None else contextlib.nullcontext()
-
-
-def coordinate_of(mesh: DeviceMesh, rank: int) -> dict[str, int]:
-    """The mesh coordinate of a global rank, by axis name.
-
-    Reads the mesh's cached :class:`MeshGrid`, so it costs a dict look-up and works inside
-    ``torch.func`` transforms and simulations alike.
-    """
-    return mesh_grid(mesh).coordinate(rank)
-
-
-def rank_at(mesh: DeviceMesh, coord: Mapping[str, int]) -> int:
-    """The global rank at a mesh coordinate given by axis name (the cached grid's)."""
-    return mesh_grid(mesh).rank(coord)

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import sys
 import sysconfig
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
 
@@ -31,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..spec import format_mesh
-from .mesh import coordinate_of
+from .axes import _ENDED, _MeshMarks, checked_axes, coordinate_of
+from .axes import check_alive as check_alive
 
 # --------------------------------------------------------------------------- torch's simulation
 
@@ -65,6 +63,15 @@ def is_simulated() -> bool:
     except ImportError:  # pragma: no cover
         return False
     return enabled_local_tensor_mode() is not None
+
+
+def simulation_mode() -> Any:
+    """The running simulation's ``LocalTensorMode`` (torch's), or ``None`` outside one."""
+    if not is_simulated():
+        return None
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    return enabled_local_tensor_mode()
 
 
 # --------------------------------------------------------------------------- simulations
@@ -242,23 +249,6 @@ _ENDED_GROUP = "functional_fsdp: group of an ended simulation, "
 _ACTIVE: list[_Simulation] = []  # at most one: the default process group is global
 
 
-class _MeshMarks:
-    """A value per mesh object, by identity: meshes of two simulations compare equal."""
-
-    def __init__(self) -> None:
-        self._marks: dict[int, tuple[weakref.ref[DeviceMesh], Any]] = {}
-
-    def mark(self, mesh: DeviceMesh, value: Any) -> None:
-        key = id(mesh)
-        self._marks[key] = (weakref.ref(mesh), value)
-        weakref.finalize(mesh, self._marks.pop, key, None)
-
-    def get(self, mesh: DeviceMesh) -> Any:
-        entry = self._marks.get(id(mesh))
-        return entry[1] if entry is not None and entry[0]() is mesh else None
-
-
-_ENDED = _MeshMarks()  # meshes of simulations that have ended: the call that made them
 _SHAPES_ONLY = _MeshMarks()
 
 
@@ -335,37 +325,6 @@ class SimulatedMeshContext:
         )
 
 
-def _checked_axes(axes: Any) -> dict[str, int]:
-    example = "ff.simulated_mesh({'dp': 8}) or ff.simulated_mesh({'dp': 2, 'tp': 4})"
-    if not isinstance(axes, Mapping):
-        raise TypeError(
-            f"simulated_mesh() takes a mapping from axis name to size, got {axes!r} "
-            f"({type(axes).__name__}); write {example}."
-        )
-    if not axes:
-        raise ValueError(f"simulated_mesh() needs at least one axis, got {{}}; write {example}.")
-    out: dict[str, int] = {}
-    for name, size in axes.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(
-                f"simulated_mesh({dict(axes)!r}): axis names must be non-empty strings, got "
-                f"{name!r} ({type(name).__name__}); name the axes, e.g. {example}."
-            )
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-            raise TypeError(
-                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be an int, "
-                f"got {size!r} ({type(size).__name__}); write e.g. {{{name!r}: 8}}."
-            )
-        if size < 1:
-            raise ValueError(
-                f"simulated_mesh({dict(axes)!r}): the size of axis {name!r} must be at least "
-                f"1, got {size}; a mesh axis holds one or more ranks (use size 1 for an axis "
-                f"that does not split anything)."
-            )
-        out[name] = int(size)
-    return out
-
-
 @overload
 def simulated_mesh(
     axes: Mapping[str, int], *, persistent: Literal[False] = False, shapes_only: bool = False
@@ -418,7 +377,7 @@ def simulated_mesh(
         [2.0, 3.0]
         >>> ff.end_simulation()
     """
-    checked = _checked_axes(axes)
+    checked = checked_axes(axes, "simulated_mesh", example_size="8")
     _local_tensor_module()
     if persistent:
         mesh = _start(checked, shapes_only, persistent=True).mesh
@@ -448,27 +407,6 @@ def end_simulation() -> None:
 def is_shapes_only(mesh: DeviceMesh) -> bool:
     """True for the mesh of a ``simulated_mesh(..., shapes_only=True)``."""
     return bool(_SHAPES_ONLY.get(mesh))
-
-
-def check_alive(mesh: DeviceMesh, what: str) -> None:
-    """Refuse a mesh whose simulation has ended, naming the fix."""
-    call = _ENDED.get(mesh)
-    if call is not None:
-        raise ValueError(_ended_message(call, format_mesh(_sizes(mesh)), what))
-
-
-def _ended_message(call: str, mesh: str, what: str) -> str:
-    return (
-        f"{what}: the value's mesh {mesh} belonged to {call}, which has ended (its process "
-        f"group is gone). Values live only as long as their simulation: keep the mesh alive "
-        f"with `mesh = ff.simulated_mesh(..., persistent=True)` (ended by "
-        f"ff.end_simulation()), or create and use the values inside one `with "
-        f"ff.simulated_mesh(...) as mesh:` block."
-    )
-
-
-def _sizes(mesh: DeviceMesh) -> dict[str, int]:
-    return dict(zip(mesh.mesh_dim_names or (), (int(s) for s in mesh.shape)))
 
 
 # --------------------------------------------------------------------------- per-rank values

@@ -1,14 +1,15 @@
 """What the FSDP engine is told: the mixed-precision and gathering policy, and the units.
 
 A :class:`Policy` is plain immutable data; :func:`find_units` turns a ``units=`` argument into
-module paths. Both feed :func:`functional_fsdp.fsdp.plan.make_plan`.
+module paths. Both feed :func:`functional_fsdp.fsdp.layout.model_layout`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -44,7 +45,7 @@ class MixedPrecision:
     cast_forward_inputs: bool = True
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class Policy:
     """How units are gathered, freed and reduced.
 
@@ -56,8 +57,11 @@ class Policy:
             per unit instead of two.
         prefetch: how many next units' all-gathers are issued ahead, in forward and backward.
         mixed_precision: see :class:`MixedPrecision`.
-        checkpoint: recompute each unit's activations in backward (activation checkpointing):
-            ``True`` for every unit, or a predicate on the unit name.
+        activation_checkpointing: recompute each unit's activations in backward instead of
+            keeping them (``torch.utils.checkpoint``; JAX's ``remat``): ``True`` for every
+            unit, or a predicate on the unit name. (Saving training state to disk is
+            :mod:`ff.checkpoint <functional_fsdp.checkpoint>`.) Formerly ``checkpoint=``,
+            which still works with a ``DeprecationWarning``.
         grad_reduce: ``"mean"`` averages gradients over the data-parallel ranks (DDP/FSDP
             semantics: a per-rank mean loss gives the global-batch mean gradient); ``"sum"``
             adds them; ``"none"`` reduces nothing over the data axes, each rank keeping its
@@ -73,15 +77,55 @@ class Policy:
 
     Example:
         >>> Policy(reshard_after_forward=False, prefetch=2)  # SHARD_GRAD_OP, two units ahead
-        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), checkpoint=False, grad_reduce='mean', offload=False)
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False)
     """
 
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
-    checkpoint: bool | Callable[[str], bool] = False
-    grad_reduce: Literal["mean", "sum", "none"] = "mean"
-    offload: bool = False
+    reshard_after_forward: bool
+    prefetch: int
+    mixed_precision: MixedPrecision
+    activation_checkpointing: bool | Callable[[str], bool]
+    grad_reduce: Literal["mean", "sum", "none"]
+    offload: bool
+
+    def __init__(
+        self,
+        *,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        mixed_precision: MixedPrecision = MixedPrecision(),
+        activation_checkpointing: bool | Callable[[str], bool] = False,
+        grad_reduce: Literal["mean", "sum", "none"] = "mean",
+        offload: bool = False,
+        checkpoint: bool | Callable[[str], bool] | None = None,
+    ) -> None:
+        if checkpoint is not None:  # the old name of activation_checkpointing
+            warnings.warn(
+                "Policy(checkpoint=...) is now Policy(activation_checkpointing=...) (the "
+                "ff.checkpoint module saves training state; this recomputes activations).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if activation_checkpointing is not False:
+                raise TypeError(
+                    "Policy got both checkpoint= and activation_checkpointing=; pass only "
+                    "activation_checkpointing= (checkpoint= is its deprecated name)."
+                )
+            activation_checkpointing = checkpoint
+        for name, value in (
+            ("reshard_after_forward", reshard_after_forward),
+            ("prefetch", prefetch),
+            ("mixed_precision", mixed_precision),
+            ("activation_checkpointing", activation_checkpointing),
+            ("grad_reduce", grad_reduce),
+            ("offload", offload),
+        ):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    @property
+    def checkpoint(self) -> bool | Callable[[str], bool]:
+        """The old name of :attr:`activation_checkpointing` (read-only)."""
+        return self.activation_checkpointing
 
     def __post_init__(self) -> None:
         if self.grad_reduce not in ("mean", "sum", "none"):

@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from ..tp.styles import (
@@ -61,13 +62,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # -1 heads: the local head count under tensor parallelism.
+        # h is read from the shape: the local head count under tensor parallelism.
         q, k, v = (
-            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+            rearrange(w(x), "b t (h d) -> b h t d", d=self.head_dim)
+            for w in (self.wq, self.wk, self.wv)
         )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 
 class MLP(nn.Module):

@@ -182,7 +182,7 @@ def compare_strategies(
         )
     base = dict(
         mixed_precision=mixed_precision or MixedPrecision(),
-        checkpoint=checkpoint,
+        activation_checkpointing=checkpoint,
         prefetch=prefetch,
     )
     param_dtype = base["mixed_precision"].param_dtype

@@ -653,7 +653,7 @@ def _plan(
                 cast,
             ),
         )
-    ckpt = policy.checkpoint
+    ckpt = policy.activation_checkpointing
 
     def checkpointed(u: str) -> bool:
         if u == "" or u == "<loss>":

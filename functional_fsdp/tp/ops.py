@@ -4,7 +4,9 @@ Every op names the mesh axis it communicates over (``"tp"`` by default) and is
 differentiable under plain autograd and ``torch.func``. The two conjugate pairs:
 
 * :func:`copy_to` (identity forward, all-reduce backward) and :func:`reduce_from` (all-reduce
-  forward, identity backward), the entry and exit of a colwise/rowwise linear pair;
+  forward, identity backward), the entry and exit of a colwise/rowwise linear pair: Megatron's
+  names for :func:`functional_fsdp.all_reduce_grad` and :func:`functional_fsdp.all_reduce`
+  over ``"tp"`` (aliases, one implementation each);
 * :func:`scatter_to` (keep this rank's slice forward, all-gather backward) and
   :func:`gather_from` (all-gather forward, keep this rank's slice backward).
 
@@ -28,19 +30,18 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import collectives as C
-from ..distributed.mesh import axis_sizes, local_coordinate
+from ..distributed.axes import axis_sizes, check_axes, local_coordinate
 from ..distributed.simulate import is_simulated, per_coordinate
-from ..spec import format_mesh
 
 
 def _size(mesh: DeviceMesh, axis: str, what: str = "tensor parallelism") -> int:
-    sizes = axis_sizes(mesh)
-    if axis not in sizes:
-        raise ValueError(
-            f"{what} over {axis!r}: the mesh {format_mesh(sizes)} has no axis {axis!r}; name "
-            f"its tensor-parallel axis, one of {tuple(sizes)} (e.g. axis='tp')."
-        )
-    return sizes[axis]
+    check_axes(
+        mesh,
+        (axis,),
+        f"{what} over {axis!r}",
+        f"name its tensor-parallel axis, one of {tuple(axis_sizes(mesh))} (e.g. axis='tp')",
+    )
+    return axis_sizes(mesh)[axis]
 
 
 def _rank_offset(
@@ -78,9 +79,11 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str, axis: str) ->
 
 
 def copy_to(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp") -> torch.Tensor:
-    """Enter a tensor-parallel region: identity in forward, all-reduce over ``axis`` in backward.
+    """Megatron's name for :func:`~functional_fsdp.all_reduce_grad` over the tensor-parallel axis.
 
-    Put it in front of a colwise linear: each rank's partial input gradient is summed.
+    An alias, not a second implementation: identity in forward, the gradient summed over
+    ``axis`` in backward; only the axis defaults to ``"tp"``. Put it in front of a colwise
+    linear (entering a tensor-parallel region): each rank's partial input gradient is summed.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -89,14 +92,15 @@ def copy_to(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp") -> torch.Tensor
         ...     g.tolist()
         [2.0, 2.0]
     """
-    _size(mesh, axis, "copy_to")
     return C.all_reduce_grad(x, mesh, axis)
 
 
 def reduce_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp") -> torch.Tensor:
-    """Leave a tensor-parallel region: all-reduce (sum) over ``axis``; identity in backward.
+    """Megatron's name for :func:`~functional_fsdp.all_reduce` (sum) over the tensor-parallel axis.
 
-    Put it after a rowwise linear: it adds the ranks' partial outputs.
+    An alias: the sum over ``axis`` in forward, identity in backward; only the axis defaults
+    to ``"tp"``. Put it after a rowwise linear (leaving a tensor-parallel region): it adds
+    the ranks' partial outputs.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -105,7 +109,6 @@ def reduce_from(x: torch.Tensor, mesh: DeviceMesh, axis: str = "tp") -> torch.Te
         ...     ff.rank_values(reduce_from(x, mesh))[1].tolist()
         [3.0]
     """
-    _size(mesh, axis, "reduce_from")
     return C.all_reduce(x, mesh, axis)
 
 

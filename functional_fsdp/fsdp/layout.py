@@ -1,0 +1,253 @@
+"""A model's FSDP layout: its units, their parameters' layouts, and the gathers that rebuild them.
+
+Everything ``apply`` needs that depends only on the module, mesh and policy. A
+:class:`ModelLayout` is pure, immutable data built once by :func:`model_layout` from shapes,
+dtypes, specs and unit paths; it holds no tensors but the meta placeholders. ``FSDP.apply``
+interprets it together with the call's own state (:mod:`functional_fsdp.fsdp.runtime`).
+
+Per unit (:class:`UnitLayout`) it lists the parameters (every alias of a tied parameter), their
+:class:`~functional_fsdp.Layout`, and the bucketed all-gather *rounds* that rebuild them: one
+round per data axis that is minor in a dim, bucketed by gather dtype. (Not to be confused with
+a tensor-parallel plan, ``ff.tensor_parallel``'s ``{pattern: style}``, or the planner's report,
+``ff.plan``.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..spec import Layout, P, format_mesh, gather_schedule, spec_problem
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One parameter's part in a round: its block before the gather, and the dim it joins."""
+
+    index: int  # position in the unit's parameter list
+    local_shape: tuple[int, ...]
+    dim: int
+    gathered_len: int  # length of ``dim`` after the gather, padding cut
+    chunked: bool  # dim 0, laid out as torch.chunk pads it: one fused copy in and out
+
+    def padded_shape(self, n: int) -> tuple[int, ...]:
+        shape = list(self.local_shape)
+        shape[self.dim] *= n
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One bucketed all-gather: ``axis`` out of the listed parameters, all of one dtype."""
+
+    axis: str
+    size: int  # of the axis
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+    first: bool  # every input is a shard (not the output of an earlier round): prefetchable
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """A unit's parameters and how to gather them."""
+
+    name: str  # module path ("" for the root unit)
+    names: tuple[str, ...]  # parameter names (first alias)
+    aliases: tuple[tuple[str, ...], ...]  # every name of each parameter (tied weights)
+    layouts: tuple[Layout, ...]
+    dtypes: tuple[torch.dtype, ...]  # of the shards
+    rounds: tuple[Round, ...]
+    last_round: tuple[int, ...]  # per parameter: the round that completes it (-1: none)
+    replicated: tuple[tuple[str, ...], ...]  # per parameter: data axes it is replicated over
+    gathered_bytes: int  # of the full (padded) parameters, in the gather dtypes
+    # Per round, per piece: "name (global shape) spec", what the debug check of
+    # ff.check_collectives compares between ranks (built once here, read only when it is on).
+    labels: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A module's FSDP layout (see the module docstring).
+
+    Attributes:
+        units: ``{unit path: UnitLayout}``, the root unit ``""`` first when it holds parameters,
+            then every unit in module order (a unit without parameters has no rounds).
+        order: the unit paths in module order (the forward prefetch order).
+        specs: ``{parameter name: P}`` (first alias of tied parameters).
+        expected: ``{parameter name: (global shape, spec padded to the ndim, dtype)}``, what
+            ``apply`` checks.
+        placeholders: ``{alias: meta tensor}`` standing in for the parameters of units that
+            are not gathered (in the compute dtype).
+    """
+
+    units: dict[str, UnitLayout]
+    order: tuple[str, ...]
+    specs: dict[str, P]
+    expected: dict[str, tuple[tuple[int, ...], P, torch.dtype]]
+    placeholders: dict[str, torch.Tensor]
+
+
+def gather_rounds(
+    layouts: Sequence[Layout],
+    sizes: Mapping[str, int],
+    data_axes: Sequence[str],
+    gather_dtypes: Sequence[torch.dtype],
+) -> tuple[Round, ...]:
+    """The all-gather rounds that rebuild each parameter from its shard.
+
+    Each round gathers one data axis that is minor in a dim of the parameters it lists (a
+    dim split over two data axes takes two rounds), bucketed by gather dtype.
+    """
+    # Gathering over an axis of size 1 moves nothing: the shard is already the full block.
+    current = list(layouts)
+    for i, lay in enumerate(current):
+        for a in lay.spec.axes:
+            if a in data_axes and sizes[a] == 1:
+                current[i] = current[i].gathered(a)
+    wanted = [[a for a in lay.spec.axes if a in data_axes] for lay in current]
+    touched = [False] * len(current)
+    rounds: list[Round] = []
+    for axis, ready in gather_schedule(current, wanted):
+        n = sizes[axis]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in ready:
+            by_dtype.setdefault(gather_dtypes[i], []).append(i)
+        for dtype, idx in by_dtype.items():
+            pieces = []
+            for i in idx:
+                lay = current[i]
+                dim = lay.spec.dim_of(axis)
+                if dim is None:  # pragma: no cover - the schedule only lists sharded dims
+                    raise RuntimeError(f"internal: {axis!r} shards no dim of {lay}")
+                length = lay.block_sizes(dim)[-2]
+                chunked = dim == 0 and -(-length // n) == lay.local_shape[0]
+                pieces.append(Piece(i, lay.local_shape, dim, length, chunked))
+            rounds.append(Round(axis, n, dtype, tuple(pieces), not any(touched[i] for i in idx)))
+        for i in ready:
+            current[i] = current[i].gathered(axis)
+            touched[i] = True
+    return tuple(rounds)
+
+
+def unit_of(name: str, units: Sequence[str]) -> str:
+    """The innermost unit whose module path contains parameter ``name`` (``""``: the root)."""
+    best = ""
+    for u in units:
+        if name.startswith(u + ".") and len(u) > len(best):
+            best = u
+    return best
+
+
+def gather_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a parameter is gathered and computed in under a mixed-precision policy."""
+    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def model_layout(
+    module: nn.Module,
+    sizes: Mapping[str, int],
+    specs: Mapping[str, P],
+    units: Sequence[str],
+    data_axes: Sequence[str],
+    param_dtype: torch.dtype | None,
+) -> ModelLayout:
+    """Build the FSDP layout of ``module`` (its parameters may live on any device, ``meta`` too).
+
+    Args:
+        module: the module; read for parameter names, shapes, dtypes and tying only.
+        sizes: the mesh's ``{axis: size}``.
+        specs: ``{parameter name: P}`` for every parameter (first alias).
+        units: unit module paths.
+        data_axes: the mesh axes that split the batch.
+        param_dtype: the gather/compute dtype of floating parameters (``None``: their own).
+
+    Raises:
+        ValueError: a spec that does not fit its parameter, or a data axis major to a model
+            axis in one dim.
+    """
+    mesh_str = format_mesh(sizes)
+    module_params = dict(module.named_parameters())
+    for name, p in module_params.items():
+        spec = specs[name]
+        problem = spec_problem(tuple(p.shape), spec, sizes)
+        if problem:
+            raise ValueError(
+                f"the spec for parameter {name!r} (shape {tuple(p.shape)}) on {mesh_str}: "
+                f"{problem}."
+            )
+        for dim in range(len(spec)):
+            entry = spec.entry(dim)
+            data = [a for a in entry if a in data_axes]
+            model = [a for a in entry if a not in data_axes]
+            if data and model and entry.index(data[0]) < entry.index(model[-1]):
+                raise ValueError(
+                    f"parameter {name!r} (shape {tuple(p.shape)}, {spec}, {mesh_str}): data "
+                    f"axis {data[0]!r} is major to model axis {model[-1]!r} in dim {dim}; "
+                    f"gathering it would not give a contiguous block. Put data axes last "
+                    f"(minor), e.g. P(('tp', 'dp'))."
+                )
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    owner: dict[str, str] = {}
+    for name, p in module_params.items():
+        owners = {unit_of(n, units) for n in aliases[id(p)]}
+        owner[name] = owners.pop() if len(owners) == 1 else ""
+    unit_layouts: dict[str, UnitLayout] = {}
+    placeholders: dict[str, torch.Tensor] = {}
+    expected: dict[str, tuple[tuple[int, ...], P, torch.dtype]] = {}
+    for unit in ["", *units]:
+        names = tuple(n for n in module_params if owner[n] == unit)
+        if not names and unit == "":
+            continue
+        layouts = tuple(
+            Layout.make(
+                tuple(module_params[n].shape), specs[n].padded(module_params[n].ndim), sizes
+            )
+            for n in names
+        )
+        dtypes = tuple(module_params[n].dtype for n in names)
+        gdtypes = [gather_dtype(d, param_dtype) for d in dtypes]
+        rounds = gather_rounds(layouts, sizes, data_axes, gdtypes)
+        last_round, full_bytes = [-1] * len(names), [0] * len(names)
+        for r, rnd in enumerate(rounds):
+            for piece in rnd.pieces:
+                last_round[piece.index] = r
+                full_bytes[piece.index] = math.prod(piece.padded_shape(rnd.size)) * (
+                    rnd.dtype.itemsize
+                )
+        unit_layouts[unit] = UnitLayout(
+            name=unit,
+            names=names,
+            aliases=tuple(tuple(aliases[id(module_params[n])]) for n in names),
+            layouts=layouts,
+            dtypes=dtypes,
+            rounds=rounds,
+            last_round=tuple(last_round),
+            gathered_bytes=sum(full_bytes),
+            replicated=tuple(tuple(a for a in data_axes if a not in specs[n].axes) for n in names),
+            labels=tuple(
+                tuple(
+                    f"{names[p.index]} {layouts[p.index].global_shape} {layouts[p.index].spec}"
+                    for p in rnd.pieces
+                )
+                for rnd in rounds
+            ),
+        )
+        for n, lay, gd in zip(names, layouts, gdtypes):
+            expected[n] = (lay.global_shape, lay.spec, module_params[n].dtype)
+            if unit:
+                meta = torch.empty(lay.global_shape, dtype=gd, device="meta")
+                for alias in aliases[id(module_params[n])]:
+                    placeholders[alias] = meta
+    return ModelLayout(
+        units=unit_layouts,
+        order=tuple(units),
+        specs=dict(specs),
+        expected=expected,
+        placeholders=placeholders,
+    )
