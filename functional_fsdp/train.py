@@ -28,7 +28,6 @@ from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
-from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
 from .optim.schedules import Schedule
@@ -738,7 +737,7 @@ def train_step(
             "(needed for batch='global' and accumulate_mode='local')."
         )
 
-    takes_finite = isinstance(optimizer, GradientTransformationExtraArgs)
+    takes_extra = isinstance(optimizer, GradientTransformationExtraArgs)
     rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
     def add(a: list[Any], b: list[Any]) -> list[Any]:
@@ -872,13 +871,19 @@ def train_step(
             lr = learning_rate(count) if callable(learning_rate) else learning_rate
         else:
             lr = rate_of(opt_state) if rate_of is not None else float("nan")
-        extra = {}
-        if takes_finite:  # the same on every rank: the global norm and the all-reduced loss
-            extra["finite"] = finite if model is not None else torch.isfinite(norm)
         if donate:  # dead before the first in-place write: a failure below cannot be retried
             state._donated_at = count
-        with donating() if donate else contextlib.nullcontext():
-            updates, new_opt_state = optimizer.update(grads, opt_state, train, **extra)
+        if takes_extra:  # all the same on every rank (the global norm, the all-reduced loss)
+            updates, new_opt_state = optimizer.update(
+                grads,
+                opt_state,
+                train,
+                finite=finite if model is not None else torch.isfinite(norm),
+                grad_norm=norm,  # clip_by_global_norm's: computed once per step
+                donate=donate,
+            )
+        else:
+            updates, new_opt_state = optimizer.update(grads, opt_state, train)
         in_place = donate and not zero  # ZeRO's shards are the step's own copies
         if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
             new_train = _from_masters(train, new_opt_state.master, in_place)
