@@ -9,7 +9,6 @@ global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import typing
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
+from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
@@ -501,49 +501,6 @@ def _share_description(data: Batch, model: FSDP) -> str:
 # --------------------------------------------------------------------------- the step
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose gradient is multiplied by ``scale``."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return grad * ctx.scale, None
-
-
-def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
-    """The compute layout (data axes gathered) of ``values``, differentiable with the
-    gradient rule.
-
-    Its gradient is reduce-scattered over the sharded data axes, all-reduced over the
-    replicated ones, and averaged over the data ranks: once per step, for the whole model.
-    Frozen values go through it outside any differentiation and cost only their gather.
-    """
-    data = model.data_axes
-    sharded = [v for v in values if isinstance(v, Sharded)]
-    gathered = iter(reshard(sharded, [functools.reduce(P.without, data, v.spec) for v in sharded]))
-    sizes = axis_sizes(model.mesh)
-    scale = 1.0 / math.prod(sizes[a] for a in data) if model.policy.grad_reduce == "mean" else 1.0
-    out = []
-    for v in values:
-        if not isinstance(v, Sharded):
-            out.append(v)
-            continue
-        g = next(gathered)
-        replicated = tuple(a for a in data if a not in v.spec.axes)
-        local = C.all_reduce_grad(g.local, model.mesh, replicated) if replicated else g.local
-        out.append(
-            Sharded._unchecked(_ScaleGrad.apply(local, scale), g.global_shape, g.spec, g.mesh)
-        )
-    return out
-
-
 class _Split:
     """``params`` as its trainable leaves (in the order of ``partition``'s trainable tree)
     and a way to put them back among the frozen ones, keeping ``params``' exact structure."""
@@ -920,6 +877,12 @@ def train_step(
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step
+
+
+def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
+    """The compute layout of ``values``, differentiable with the gradient rule (asked of
+    :mod:`functional_fsdp.fsdp.gradients`, which owns it)."""
+    return to_compute_layout(values, model.mesh, model.data_axes, model.policy)
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:

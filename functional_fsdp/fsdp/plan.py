@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..spec import Layout, P, format_mesh, gather_schedule, spec_problem
+from .gradients import reduction
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def plan_rounds(
         for a in lay.spec.axes:
             if a in data_axes and sizes[a] == 1:
                 current[i] = current[i].gathered(a)
-    wanted = [[a for a in lay.spec.axes if a in data_axes] for lay in current]
+    # The data axes each spec shards: gathered here, reduce-scattered by the gradient rule.
+    wanted = [list(reduction(lay.spec, data_axes).scattered) for lay in current]
     touched = [False] * len(current)
     rounds: list[Round] = []
     for axis, ready in gather_schedule(current, wanted):
@@ -226,7 +228,7 @@ def make_plan(
             rounds=rounds,
             last_round=tuple(last_round),
             gathered_bytes=sum(full_bytes),
-            replicated=tuple(tuple(a for a in data_axes if a not in specs[n].axes) for n in names),
+            replicated=tuple(reduction(specs[n], data_axes).replicated for n in names),
             labels=tuple(
                 tuple(
                     f"{names[p.index]} {layouts[p.index].global_shape} {layouts[p.index].spec}"

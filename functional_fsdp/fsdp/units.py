@@ -24,6 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import collectives as C
+from .gradients import mean_divisor
 from .memory import EventKind, MemoryTracker, Phase
 from .plan import Piece, Round, UnitPlan, gather_dtype
 from .policy import Policy
@@ -217,9 +218,7 @@ class Unit:
         if not needed:
             return current
         sizes = ctx.sizes
-        factor = 1
-        if ctx.policy.grad_reduce == "mean" and ctx.sync:
-            factor = math.prod(sizes[a] for a in ctx.data_axes)
+        factor = mean_divisor(sizes, ctx.data_axes, ctx.policy)  # the gradient rule's
         pre, post = divide_factors(factor, current[needed[0]].dtype)  # type: ignore[union-attr]
         incoming = {id(g) for g in grads}
         if pre != 1:  # narrow dtypes: divide before the sum can overflow (new buffers)

@@ -26,6 +26,7 @@ from ..distributed.simulate import is_simulated
 from ..resharding import _cut_block, reshard
 from ..sharded import Sharded
 from ..spec import Layout, P
+from .gradients import reduction
 from .plan import UnitPlan, gather_dtype, plan_rounds
 from .policy import Policy
 from .runtime import mesh_device
@@ -86,7 +87,7 @@ def _unit_plan(
         dtypes=dtypes,
         rounds=rounds,
         last_round=tuple(last),
-        replicated=tuple(tuple(a for a in data_axes if a not in lay.spec.axes) for lay in layouts),
+        replicated=tuple(reduction(lay.spec, data_axes).replicated for lay in layouts),
         gathered_bytes=0,
         labels=tuple(
             tuple(

@@ -190,9 +190,7 @@ def apply_if_finite(
         inner_extra = {**extra, "donate": False}
         if grad_norm is not None:
             inner_extra["grad_norm"] = grad_norm
-        new_updates, new_inner = call_update(
-            inner, updates, state.inner_state, params, inner_extra
-        )
+        new_updates, new_inner = call_update(inner, updates, state.inner_state, params, inner_extra)
         new_inner = _select(apply, new_inner, state.inner_state, donate)
         leaves, treedef = local_leaves(new_updates)
         new_updates = optree.tree_unflatten(treedef, [torch.where(apply, u, -0.0) for u in leaves])

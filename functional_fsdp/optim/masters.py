@@ -106,6 +106,7 @@ def master_weights(
                 f"master_weights({name}={dtype!r}): use a floating torch dtype, e.g. "
                 f"torch.bfloat16 for the parameters and torch.float32 for the masters."
             )
+
     def init(params: Params) -> MasterWeightsState:
         check_tensor_tree(params, "master_weights.init")
         master = _cast(params, master_dtype, copy=True)  # own copies, never the params
