@@ -1,9 +1,13 @@
 """``TrainState`` and a pure ``train_step``.
 
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
-built on ``torch.func.grad_and_value``. The gradient rule lives in :meth:`FSDP.apply` (each
-unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
-global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
+built on ``torch.func.grad_and_value`` (in one place, :func:`_value_and_grads`). The gradient
+rule is :mod:`functional_fsdp.fsdp.gradients`'s: :meth:`FSDP.apply` applies it per unit
+(each unit's backward reduce-scatters / all-reduces over the data axes), and
+``accumulate_mode="local"`` once per step; ``train_step`` adds the global-batch split,
+gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and
+donation. The optimizer gets donation, the gradient norm and finiteness as arguments of its
+``update`` (``donate=``, ``grad_norm=``, ``finite=``).
 """
 
 from __future__ import annotations
@@ -591,7 +595,10 @@ def train_step(
     update makes its reuse raise :class:`DonatedStateError` rather than hand back half an
     update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
     :func:`~functional_fsdp.apply_if_finite`: the step passes it ``finite=`` (no extra
-    collective) and the decision stays on the device.
+    collective) and the decision stays on the device. An optimizer that is a
+    :class:`~functional_fsdp.GradientTransformationExtraArgs` (every built-in one) also gets
+    ``donate=`` and ``grad_norm=`` (the step's gradient norm, which
+    :func:`~functional_fsdp.clip_by_global_norm` then uses instead of all-reducing another).
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
@@ -697,11 +704,8 @@ def train_step(
     takes_extra = isinstance(optimizer, GradientTransformationExtraArgs)
     rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
-    def add(a: list[Any], b: list[Any]) -> list[Any]:
-        return optree.tree_map(torch.add, a, b, namespace=NAMESPACE)
-
-    def mean(total: list[Any], n: int) -> list[Any]:
-        return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
+    def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
+        return lambda i: _micro_batch_stream(key, i, model, randomness)
 
     def grads_and_loss(
         split: _Split, local: Batch, whose: str, key: torch.Tensor | None
@@ -721,18 +725,11 @@ def train_step(
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
             return _check_loss(loss_fn(split.full(t, base), b))
 
-        total, loss_sum = None, 0.0
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            for i, mb in enumerate(micro):
-                with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = torch.func.grad_and_value(checked)(train, mb)
-                total = g if total is None else add(total, g)
-                loss_sum = loss_sum + loss.detach()
-        if len(micro) > 1:
-            total = mean(total, len(micro))
+            total, loss = _value_and_grads(checked, train, micro, stream(key))
         if pullback is not None:
             (total,) = pullback(total)
-        return total, loss_sum / len(micro)
+        return total, loss
 
     def zero_grads_and_loss(
         split: _Split,
@@ -757,19 +754,12 @@ def train_step(
         else:
             wrt = shards
             scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
-        total, loss_sum = None, 0.0
         with scope:
-            for i, mb in enumerate(micro):
-                with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = torch.func.grad_and_value(checked)(wrt, mb)
-                total = g if total is None else add(total, g)
-                loss_sum = loss_sum + loss.detach()
-        if len(micro) > 1:
-            total = mean(total, len(micro))
+            total, loss = _value_and_grads(checked, wrt, micro, stream(key))
         if accumulate_mode == "local":
             names = [name for name, _ in layout]
             total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
-        return shards, total, loss_sum / len(micro)
+        return shards, total, loss
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         if not isinstance(state, TrainState):
@@ -883,6 +873,31 @@ def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
     """The compute layout of ``values``, differentiable with the gradient rule (asked of
     :mod:`functional_fsdp.fsdp.gradients`, which owns it)."""
     return to_compute_layout(values, model.mesh, model.data_axes, model.policy)
+
+
+def _value_and_grads(
+    fn: Callable[[list[Any], Batch], torch.Tensor],
+    wrt: list[Any],
+    micro: list[Batch],
+    stream: Callable[[int], contextlib.AbstractContextManager[Any]],
+) -> tuple[list[Any], torch.Tensor]:
+    """The one place a step differentiates: the gradients of ``fn(wrt, micro_batch)`` with
+    respect to ``wrt`` (``torch.func.grad_and_value``), averaged over the micro-batches, and
+    the mean loss (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
+
+    Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
+    that computes them is this function's business alone.
+    """
+    total, loss_sum = None, 0.0
+    for i, mb in enumerate(micro):
+        with stream(i):
+            g, loss = torch.func.grad_and_value(fn)(wrt, mb)
+        total = g if total is None else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
+        loss_sum = loss_sum + loss.detach()
+    if len(micro) > 1:
+        n = len(micro)
+        total = optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
+    return typing.cast(list[Any], total), loss_sum / len(micro)
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:

@@ -129,6 +129,47 @@ def test_any_call_convention_on_a_simulated_mesh():
         torch.testing.assert_close(full[k], ref[k])
 
 
+def test_each_apply_call_has_one_state_of_its_own_dropped_with_its_graph(monkeypatch):
+    """The interpreter creates one CallState per apply call (units, calls, prefetches,
+    reductions in flight) and keeps nothing between calls: each is freed, without the cycle
+    collector, once the caller drops the call's outputs and gradients."""
+    import gc
+    import weakref
+
+    from functional_fsdp.fsdp import runtime, units
+
+    made: list[weakref.ref] = []
+
+    class Recorded(units.CallState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(runtime, "CallState", Recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    gc.disable()
+    try:
+        with ff.simulated_mesh({"dp": 2}) as mesh:
+            sm = ff.fsdp(model, mesh, units=["0", "2"])
+            params = sm.shard()
+            x = torch.randn(4, 4)
+            for _ in range(2):
+                grads = torch.func.grad(lambda p: sm.apply(p, x).square().sum())(params)
+                assert set(grads) == set(params)
+                state = made[-1]()
+                assert state is None, "a call's state outlived its gradients"
+                del grads
+            assert len(made) == 2
+            out, pullback = torch.func.vjp(lambda p: sm.apply(p, x), params)
+            assert made[-1]() is not None  # alive with the call's graph
+            assert [c.unit.plan.name for c in made[-1]().calls] == ["0", "2"]
+            del out, pullback
+            assert made[-1]() is None
+    finally:
+        gc.enable()
+
+
 def test_apply_rejects_parameters_of_another_shape():
     torch.manual_seed(0)
     small = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 4))
