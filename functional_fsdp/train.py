@@ -37,8 +37,8 @@ from .optim.masters import MasterWeightsState, param_dtype_of
 from .optim.schedules import Schedule
 from .optim.transforms import (
     GradientTransformation,
-    GradientTransformationExtraArgs,
     apply_updates,
+    call_update,
     learning_rate_fn,
     report_fn,
 )
@@ -701,7 +701,6 @@ def train_step(
             "(needed for batch='global' and accumulate_mode='local')."
         )
 
-    takes_extra = isinstance(optimizer, GradientTransformationExtraArgs)
     rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
     def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
@@ -820,17 +819,14 @@ def train_step(
             lr = rate_of(opt_state) if rate_of is not None else float("nan")
         if donate:  # dead before the first in-place write: a failure below cannot be retried
             state._donated_at = count
-        if takes_extra:  # all the same on every rank (the global norm, the all-reduced loss)
-            updates, new_opt_state = optimizer.update(
-                grads,
-                opt_state,
-                train,
-                finite=finite if model is not None else torch.isfinite(norm),
-                grad_norm=norm,  # clip_by_global_norm's: computed once per step
-                donate=donate,
-            )
-        else:
-            updates, new_opt_state = optimizer.update(grads, opt_state, train)
+        # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
+        # the same on every rank: the global norm, and the all-reduced loss's finiteness.
+        extra = {
+            "finite": finite if model is not None else torch.isfinite(norm),
+            "grad_norm": norm,  # clip_by_global_norm's: computed once per step
+            "donate": donate,
+        }
+        updates, new_opt_state = call_update(optimizer, grads, opt_state, train, extra)
         in_place = donate and not zero  # ZeRO's shards are the step's own copies
         if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
             new_train = _from_masters(train, new_opt_state.master, in_place)

@@ -32,6 +32,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -149,10 +151,31 @@ def call_update(
     params: Params | None,
     extra: dict[str, Any],
 ) -> tuple[Updates, OptState]:
-    """``t.update`` with the keyword arguments ``extra`` if ``t`` takes them (else none)."""
-    if extra and isinstance(t, GradientTransformationExtraArgs):
-        return t.update(updates, state, params, **extra)
-    return t.update(updates, state, params)
+    """``t.update`` with the keyword arguments of ``extra`` that it takes: all of them for a
+    :class:`GradientTransformationExtraArgs` whose ``update`` has ``**kwargs``, those it
+    names otherwise (one written for ``finite=`` only), none for a plain one."""
+    if not extra or not isinstance(t, GradientTransformationExtraArgs):
+        return t.update(updates, state, params)
+    named = _keywords(t.update)
+    if named is not None:
+        extra = {k: v for k, v in extra.items() if k in named}
+    return t.update(updates, state, params, **extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` names, or ``None`` if it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass everything, as optax does
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
 
 
 def without(extra: dict[str, Any], names: tuple[str, ...] = ABOUT_UPDATES) -> dict[str, Any]:
