@@ -170,6 +170,31 @@ def test_each_apply_call_has_one_state_of_its_own_dropped_with_its_graph(monkeyp
         gc.enable()
 
 
+def test_the_gradient_rule_has_one_owner_that_the_plan_follows():
+    """fsdp.gradients decides the reduction: reduce-scatter over the data axes a spec shards,
+    all-reduce over those it replicates, nothing over model axes; the plan's gather rounds
+    and replicated axes are read off it."""
+    from functional_fsdp.fsdp.gradients import Reduction, mean_divisor, reduction
+    from functional_fsdp.fsdp.plan import make_plan
+
+    data = ("replicate", "shard")
+    assert reduction(ff.P("shard"), data) == Reduction(("shard",), ("replicate",))
+    assert reduction(ff.P(("tp", "shard"), None), data) == Reduction(("shard",), ("replicate",))
+    assert reduction(ff.P(None, "tp"), data) == Reduction((), data)
+    sizes = {"replicate": 2, "shard": 3, "tp": 2}
+    assert mean_divisor(sizes, data, ff.Policy()) == 6
+    assert mean_divisor(sizes, data, ff.Policy(grad_reduce="sum")) == 1
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    specs = {"0.weight": ff.P("shard"), "0.bias": ff.P(), "1.weight": ff.P(None, "tp"),
+             "1.bias": ff.P()}  # fmt: skip
+    plan = make_plan(model, sizes, specs, ["0", "1"], data, None)
+    for up in plan.units.values():
+        for name, replicated in zip(up.names, up.replicated):
+            assert replicated == reduction(specs[name], data).replicated
+        gathered = {(up.names[p.index], rnd.axis) for rnd in up.rounds for p in rnd.pieces}
+        assert gathered == {(n, a) for n in up.names for a in reduction(specs[n], data).scattered}
+
+
 def test_apply_rejects_parameters_of_another_shape():
     torch.manual_seed(0)
     small = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 4))
