@@ -121,8 +121,8 @@ def master_weights(
                 f"its init() returned (a MasterWeightsState)."
             )
         grads = _cast(updates, master_dtype)
-        # The inner optimizer gets the gradients cast to the master dtype: their norm is not
-        # ``grad_norm`` bit for bit, so it computes its own.
+        # The inner optimizer gets the gradients cast to the master dtype, whose norm need not
+        # be ``grad_norm`` bit for bit: it computes its own.
         inner_updates, inner = call_update(
             optimizer, grads, state.inner, state.master, without(kwargs)
         )

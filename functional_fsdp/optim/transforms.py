@@ -79,6 +79,9 @@ class TransformInitFn(Protocol):
 class TransformUpdateFn(Protocol):
     """``update(updates, state, params=None) -> (new_updates, new_state)``.
 
+    The built-in transformations also take keyword arguments (``donate=``, ``grad_norm=``,
+    ``finite=``; see :class:`GradientTransformationExtraArgs`).
+
     Example:
         >>> import torch
         >>> updates, state = scale(2.0).update({"w": torch.ones(1)}, EmptyState())
