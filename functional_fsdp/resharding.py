@@ -8,13 +8,20 @@ its gradient is the bucketed reduce-scatter of the incoming gradients.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._buckets import (
+    Round,
+    issue_gather,
+    pack_grads,
+    plan_rounds,
+    unpack_gathered,
+    unpack_reduced,
+)
 from ._tree import dotted, keystr
 from .distributed import agreement
 from .distributed import collectives as C
@@ -27,7 +34,7 @@ from .distributed.simulate import (
     per_coordinate,
 )
 from .sharded import Sharded, block_of, local_shape_problem
-from .spec import Layout, P, did_you_mean, format_mesh, gather_schedule, spec_problem
+from .spec import Layout, P, did_you_mean, format_mesh, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
 Specs = P | SpecRule | Any
@@ -330,112 +337,29 @@ def _differs_message(
 # --------------------------------------------------------------------------- bucketed gather
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """How one tensor takes part in a bucketed gather over one axis."""
-
-    local_shape: tuple[int, ...]
-    dim: int  # the tensor dim the axis splits
-    gathered_len: int  # length of ``dim`` after the gather (the next level's padded block)
-
-
-class _BucketAllGather(torch.autograd.Function):
-    """All-gather several local blocks over one axis with a single collective."""
+class _GatherRound(torch.autograd.Function):
+    """One bucketed round: an all-gather of several blocks over one axis; backward, the
+    reduce-scatter of their gradients (both packed by :mod:`functional_fsdp._buckets`)."""
 
     @staticmethod
-    def forward(
-        mesh: DeviceMesh, axis: str, pieces: tuple[_Piece, ...], *locals_: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        n = axis_sizes(mesh)[axis]
-        flat = _pack([t.reshape(-1) for t in locals_])
-        gathered = C.wait(C.raw_all_gather(flat, mesh, axis, meta=pieces))  # [n, total]
-        if n == 1:  # not communicated: copy, so that no output aliases an input shard
-            gathered = gathered.clone()
-        outs, offset = [], 0
-        for piece in pieces:
-            numel = _numel(piece.local_shape)
-            block = gathered[:, offset : offset + numel].reshape(n, *piece.local_shape)
-            offset += numel
-            full = C._move_leading(block, piece.dim)
-            outs.append(full.narrow(piece.dim, 0, piece.gathered_len))
-        return tuple(outs)
+    def forward(mesh: DeviceMesh, rnd: Round, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        gathered = C.wait(issue_gather(locals_, mesh, rnd, meta=rnd.pieces))  # [n, total]
+        # Fresh padded full tensors (never aliasing an input shard, also where n == 1).
+        outs = [gathered.new_empty(p.padded_shape(rnd.size)) for p in rnd.pieces]
+        unpack_gathered(gathered, rnd, outs)
+        return tuple(o.narrow(p.dim, 0, p.gathered_len) for p, o in zip(rnd.pieces, outs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.mesh, ctx.axis, ctx.pieces = inputs[:3]
+        ctx.mesh, ctx.rnd = inputs[:2]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        n = axis_sizes(ctx.mesh)[ctx.axis]
-        rows = []
-        for piece, g in zip(ctx.pieces, grads):
-            pad = n * piece.local_shape[piece.dim] - piece.gathered_len
-            if pad:
-                g = torch.nn.functional.pad(g, [0, 0] * (g.ndim - 1 - piece.dim) + [0, pad])
-            rows.append(C._split_leading(g, n, piece.dim).reshape(n, -1))
-        flat = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-        reduced = C.wait(C.raw_reduce_scatter(flat, ctx.mesh, ctx.axis))
-        outs, offset = [], 0
-        for piece in ctx.pieces:
-            numel = _numel(piece.local_shape)
-            outs.append(reduced[offset : offset + numel].view(piece.local_shape))
-            offset += numel
-        return (None, None, None, *outs)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
-
-
-def _pack(flats: list[torch.Tensor]) -> torch.Tensor:
-    return flats[0] if len(flats) == 1 else torch.cat(flats)
-
-
-def bucketed_all_gather(
-    values: list[Sharded], axis: str, *, bucket_bytes: int | None = None
-) -> list[Sharded | torch.Tensor]:
-    """Gather ``axis`` out of each value, with one collective per dtype (and size cap).
-
-    ``axis`` must be the minor-most axis of the dim it splits in every value. Values whose
-    spec becomes empty are returned as plain tensors of their global shape.
-    """
-    if not values:
-        return []
-    mesh = values[0].mesh
-    results: list[Sharded | torch.Tensor | None] = [None] * len(values)
-    for bucket in _buckets(values, bucket_bytes):
-        pieces = []
-        for i in bucket:
-            v = values[i]
-            dim = v.spec.dim_of(axis)
-            assert dim is not None and v.spec.entry(dim)[-1] == axis
-            lengths = v.layout.block_sizes(dim)
-            pieces.append(_Piece(tuple(v.local.shape), dim, lengths[-2]))
-        outs = _BucketAllGather.apply(mesh, axis, tuple(pieces), *(values[i].local for i in bucket))
-        for i, out in zip(bucket, outs):
-            v = values[i]
-            spec = v.spec.without(axis)
-            results[i] = (
-                out if not spec.axes else Sharded._unchecked(out, v.global_shape, spec, mesh)
-            )
-    return results  # type: ignore[return-value]
-
-
-def _buckets(values: list[Sharded], bucket_bytes: int | None) -> list[list[int]]:
-    by_dtype: dict[torch.dtype, list[list[int]]] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for i, v in enumerate(values):
-        nbytes = v.local.numel() * v.local.element_size()
-        groups = by_dtype.setdefault(v.dtype, [[]])
-        if bucket_bytes is not None and groups[-1] and sizes[v.dtype] + nbytes > bucket_bytes:
-            groups.append([])
-            sizes[v.dtype] = 0
-        groups[-1].append(i)
-        sizes[v.dtype] = sizes.get(v.dtype, 0) + nbytes
-    return [b for groups in by_dtype.values() for b in groups]
+        rnd: Round = ctx.rnd
+        # Plain differentiable ops (no fused copy): this may run inside torch.func transforms.
+        flat = pack_grads(grads, rnd.pieces, rnd.size, fused=False)
+        reduced = C.wait(C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis))
+        return (None, None, *unpack_reduced(reduced, rnd.pieces))
 
 
 def _gather_values(
@@ -444,14 +368,38 @@ def _gather_values(
     """Gather ``wanted[i]`` axes out of ``values[i]``, minor axes first, bucketed per axis.
 
     An axis is gathered only once every value that still wants it has it minor-most, so that
-    each axis takes one bucketed collective (per dtype) wherever the specs allow it.
+    each axis takes one bucketed collective (per dtype, or per ``bucket_bytes``) wherever the
+    specs allow it: the rounds of :func:`functional_fsdp._buckets.plan_rounds`, the same
+    that the FSDP engine runs. Values whose spec becomes empty are returned as plain tensors
+    of their global shape.
     """
-    current: list[Sharded | torch.Tensor] = list(values)
-    for axis, idx in gather_schedule([v.layout for v in values], wanted):
-        outs = bucketed_all_gather([current[i] for i in idx], axis, bucket_bytes=bucket_bytes)  # type: ignore[misc]
-        for i, out in zip(idx, outs):
-            current[i] = out
-    return current
+    if not values:
+        return []
+    mesh = values[0].mesh
+    rounds = plan_rounds(
+        [v.layout for v in values],
+        axis_sizes(mesh),
+        wanted,
+        [v.dtype for v in values],
+        bucket_bytes=bucket_bytes,
+        skip_size_one=False,  # a size-1 round copies: no output aliases an input shard
+    )
+    current = [v.local for v in values]
+    specs = [v.spec for v in values]
+    for rnd in rounds:
+        outs = _GatherRound.apply(mesh, rnd, *(current[p.index] for p in rnd.pieces))
+        for p, out in zip(rnd.pieces, outs):
+            current[p.index] = out
+            specs[p.index] = specs[p.index].without(rnd.axis)
+    results: list[Sharded | torch.Tensor] = []
+    for v, local, spec in zip(values, current, specs):
+        if spec == v.spec:
+            results.append(v)
+        elif not spec.axes:
+            results.append(local)
+        else:
+            results.append(Sharded._unchecked(local, v.global_shape, spec, mesh))
+    return results
 
 
 def _check_bucket_bytes(bucket_bytes: Any, what: str) -> None:

@@ -1,15 +1,19 @@
 """``TrainState`` and a pure ``train_step``.
 
 ``train_step(loss_fn, optimizer, model=...)`` returns ``step(state, batch) -> (state, metrics)``
-built on ``torch.func.grad_and_value`` (or autograd: ``engine=``). The gradient rule lives in :meth:`FSDP.apply` (each
-unit's backward reduce-scatters / all-reduces over the data axes); ``train_step`` adds the
-global-batch split, gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and donation.
+built on ``torch.func.grad_and_value`` or plain autograd (``engine=``, in one place,
+:func:`_value_and_grads`). The gradient
+rule is :mod:`functional_fsdp.fsdp.gradients`'s: :meth:`FSDP.apply` applies it per unit
+(each unit's backward reduce-scatters / all-reduces over the data axes), and
+``accumulate_mode="local"`` once per step; ``train_step`` adds the global-batch split,
+gradient accumulation, ZeRO-1/2 (with :mod:`functional_fsdp.fsdp.zero`), metrics and
+donation. The optimizer gets donation, the gradient norm and finiteness as arguments of its
+``update`` (``donate=``, ``grad_norm=``, ``finite=``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import typing
 from collections.abc import Callable
@@ -17,26 +21,26 @@ from typing import Any, Literal
 
 import optree
 import torch
-import torch.distributed as dist
 
 from . import rng as random
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .distributed import collectives as C
+from .distributed import process
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import runtime
 from .fsdp.api import FSDP
+from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
-from .optim._tree import donating
 from .optim.clipping import global_norm
 from .optim.masters import MasterWeightsState, param_dtype_of
 from .optim.schedules import Schedule
 from .optim.transforms import (
     GradientTransformation,
-    GradientTransformationExtraArgs,
     apply_updates,
+    call_update,
     learning_rate_fn,
     report_fn,
 )
@@ -474,7 +478,7 @@ def local_batch(
     def share(t: torch.Tensor) -> torch.Tensor:
         per = t.shape[0] // n
         if not is_simulated():  # a view of this rank's rows: no index tensor, no copy
-            return t.narrow(0, rank_of(coordinate_of(mesh, dist.get_rank())) * per, per)
+            return t.narrow(0, rank_of(coordinate_of(mesh, process.rank())) * per, per)
         # Simulated ranks differ in their rows: one index_select with per-rank indices,
         # built on the batch's device.
         index = per_coordinate(
@@ -501,51 +505,6 @@ def _share_description(data: Batch, model: FSDP) -> str:
 
 
 # --------------------------------------------------------------------------- the step
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose gradient is multiplied by ``scale``."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.scale = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return grad * ctx.scale, None
-
-
-def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
-    """The compute layout (data axes gathered) of ``values``, differentiable with the
-    gradient rule.
-
-    Its gradient is reduce-scattered over the sharded data axes, all-reduced over the
-    replicated ones, and averaged over the data ranks: once per step, for the whole model.
-    Frozen values go through it outside any differentiation and cost only their gather.
-    """
-    data = model.data_axes
-    sharded = [v for v in values if isinstance(v, Sharded)]
-    gathered = iter(
-        reshard(sharded, [functools.reduce(P.without, data, v.spec) for v in sharded], check=False)
-    )
-    sizes = axis_sizes(model.mesh)
-    scale = 1.0 / math.prod(sizes[a] for a in data) if model.policy.grad_reduce == "mean" else 1.0
-    out = []
-    for v in values:
-        if not isinstance(v, Sharded):
-            out.append(v)
-            continue
-        g = next(gathered)
-        replicated = tuple(a for a in data if a not in v.spec.axes)
-        local = C.all_reduce_grad(g.local, model.mesh, replicated) if replicated else g.local
-        out.append(
-            Sharded._unchecked(_ScaleGrad.apply(local, scale), g.global_shape, g.spec, g.mesh)
-        )
-    return out
 
 
 class _Split:
@@ -639,7 +598,10 @@ def train_step(
     update makes its reuse raise :class:`DonatedStateError` rather than hand back half an
     update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
     :func:`~functional_fsdp.apply_if_finite`: the step passes it ``finite=`` (no extra
-    collective) and the decision stays on the device.
+    collective) and the decision stays on the device. An optimizer that is a
+    :class:`~functional_fsdp.GradientTransformationExtraArgs` (every built-in one) also gets
+    ``donate=`` and ``grad_norm=`` (the step's gradient norm, which
+    :func:`~functional_fsdp.clip_by_global_norm` then uses instead of all-reducing another).
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
@@ -757,14 +719,10 @@ def train_step(
         )
     differentiate = Differentiator(engine, None if model is None else model.module)
 
-    takes_finite = isinstance(optimizer, GradientTransformationExtraArgs)
     rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
-    def add(a: list[Any], b: list[Any]) -> list[Any]:
-        return optree.tree_map(torch.add, a, b, namespace=NAMESPACE)
-
-    def mean(total: list[Any], n: int) -> list[Any]:
-        return optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
+    def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
+        return lambda i: _micro_batch_stream(key, i, model, randomness)
 
     def grads_and_loss(
         split: _Split, local: Batch, whose: str, key: torch.Tensor | None
@@ -784,18 +742,11 @@ def train_step(
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
             return _check_loss(loss_fn(split.full(t, base), b))
 
-        total, loss_sum = None, 0.0
         with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            for i, mb in enumerate(micro):
-                with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = differentiate.grad_and_value(checked)(train, mb)
-                total = g if total is None else add(total, g)
-                loss_sum = loss_sum + loss.detach()
-        if len(micro) > 1:
-            total = mean(total, len(micro))
+            total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
         if pullback is not None:
             (total,) = pullback(total)
-        return total, loss_sum / len(micro)
+        return total, loss
 
     def zero_grads_and_loss(
         split: _Split,
@@ -820,19 +771,12 @@ def train_step(
         else:
             wrt = shards
             scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
-        total, loss_sum = None, 0.0
         with scope:
-            for i, mb in enumerate(micro):
-                with _micro_batch_stream(key, i, model, randomness):
-                    g, loss = differentiate.grad_and_value(checked)(wrt, mb)
-                total = g if total is None else add(total, g)
-                loss_sum = loss_sum + loss.detach()
-        if len(micro) > 1:
-            total = mean(total, len(micro))
+            total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
         if accumulate_mode == "local":
             names = [name for name, _ in layout]
             total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
-        return shards, total, loss_sum / len(micro)
+        return shards, total, loss
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         if not isinstance(state, TrainState):
@@ -891,13 +835,16 @@ def train_step(
             lr = learning_rate(count) if callable(learning_rate) else learning_rate
         else:
             lr = rate_of(opt_state) if rate_of is not None else float("nan")
-        extra = {}
-        if takes_finite:  # the same on every rank: the global norm and the all-reduced loss
-            extra["finite"] = finite if model is not None else torch.isfinite(norm)
         if donate:  # dead before the first in-place write: a failure below cannot be retried
             state._donated_at = count
-        with donating() if donate else contextlib.nullcontext():
-            updates, new_opt_state = optimizer.update(grads, opt_state, train, **extra)
+        # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
+        # the same on every rank: the global norm, and the all-reduced loss's finiteness.
+        extra = {
+            "finite": finite if model is not None else torch.isfinite(norm),
+            "grad_norm": norm,  # clip_by_global_norm's: computed once per step
+            "donate": donate,
+        }
+        updates, new_opt_state = call_update(optimizer, grads, opt_state, train, extra)
         in_place = donate and not zero  # ZeRO's shards are the step's own copies
         if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
             new_train = _from_masters(train, new_opt_state.master, in_place)
@@ -934,6 +881,39 @@ def train_step(
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step
+
+
+def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
+    """The compute layout of ``values``, differentiable with the gradient rule (asked of
+    :mod:`functional_fsdp.fsdp.gradients`, which owns it)."""
+    return to_compute_layout(values, model.mesh, model.data_axes, model.policy)
+
+
+def _value_and_grads(
+    fn: Callable[[list[Any], Batch], torch.Tensor],
+    wrt: list[Any],
+    micro: list[Batch],
+    stream: Callable[[int], contextlib.AbstractContextManager[Any]],
+    differentiate: Differentiator,
+) -> tuple[list[Any], torch.Tensor]:
+    """The one place a step differentiates: the gradients of ``fn(wrt, micro_batch)`` with
+    respect to ``wrt`` (``torch.func.grad_and_value``, or autograd: ``differentiate``'s
+    engine), averaged over the micro-batches, and
+    the mean loss (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
+
+    Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
+    that computes them is this function's business alone.
+    """
+    total, loss_sum = None, 0.0
+    for i, mb in enumerate(micro):
+        with stream(i):
+            g, loss = differentiate.grad_and_value(fn)(wrt, mb)
+        total = g if total is None else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
+        loss_sum = loss_sum + loss.detach()
+    if len(micro) > 1:
+        n = len(micro)
+        total = optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
+    return typing.cast(list[Any], total), loss_sum / len(micro)
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:

@@ -139,3 +139,43 @@ def zero3_vs_fsdp2_adamw() -> tuple[float, float]:
 def determinism() -> bool:
     """Two runs with the same seed give bitwise-identical losses."""
     return run_strategy("zero3")[0] == run_strategy("zero3")[0]
+
+
+def clip_norm_once(names: list[str], steps: int = 3) -> dict[str, dict]:
+    """Per strategy, ``chain(clip_by_global_norm, adamw)`` as train_step runs it (the step's
+    gradient norm handed to the clipping) against the same chain behind a plain
+    ``GradientTransformation`` (which takes no keywords, so the clipping computes its own
+    norm): the collectives of one step, and whether losses and parameters are bitwise equal."""
+    out = {}
+    for name in names:
+        axes, fsdp_kwargs, step_kwargs = STRATEGIES[name]
+        step_kwargs = dict(step_kwargs)
+        opt_specs = step_kwargs.pop("opt_specs", None)
+        runs = {}
+        for variant in ("shared", "own"):
+            torch.manual_seed(0)
+            f = ff.fsdp(GPT(CFG), ff.make_mesh(axes), **fsdp_kwargs)
+            opt = ff.chain(ff.clip_by_global_norm(0.05), ff.adamw(LR, **OPT))
+            if variant == "own":
+                opt = ff.GradientTransformation(opt.init, opt.update)
+            step = ff.train_step(
+                lambda p, b, f=f: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]),
+                opt,
+                model=f,
+                **step_kwargs,
+            )
+            state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
+            losses, comms = [], None
+            for b in batches(steps):
+                with ff.count_comms() as counted:
+                    state, metrics = step(state, b)
+                comms = comms or counted.by_kind_and_axis()
+                losses.append(float(metrics["loss"]))
+            runs[variant] = (losses, ff.gather(dict(state.params)), comms)
+        (l1, p1, c1), (l2, p2, c2) = runs["shared"], runs["own"]
+        out[name] = {
+            "shared": c1,
+            "own": c2,
+            "bitwise": l1 == l2 and all(torch.equal(p1[k], p2[k]) for k in p1),
+        }
+    return out

@@ -40,13 +40,6 @@ def test_policy_checkpoint_keyword_is_a_deprecated_name_of_activation_checkpoint
         ff.Policy(checkpoint=True, activation_checkpointing=True)
 
 
-def test_fsdp_plan_names_are_aliases_of_the_layout_names():
-    from functional_fsdp.fsdp import layout, plan
-
-    assert plan.Plan is layout.ModelLayout and plan.UnitPlan is layout.UnitLayout
-    assert plan.make_plan is layout.model_layout and plan.plan_rounds is layout.gather_rounds
-
-
 def test_megatron_names_are_aliases_of_the_collectives():
     with ff.simulated_mesh({"tp": 2}) as mesh:
         x = torch.arange(3.0)

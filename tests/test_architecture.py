@@ -19,22 +19,20 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("spec", "_tree", "_partition")),  # specs, layouts, pytrees: pure data
     ("distributed", ("distributed",)),  # meshes, collectives, simulation, c10d
     ("values", ("sharded",)),  # Sharded: a local block and its layout
-    ("moves", ("resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys
-    ("engines", ("fsdp", "tp", "optim")),  # FSDP.apply, tensor parallelism, optimizers
-    ("steps", ("train", "checkpoint", "models")),  # train_step, checkpoints, models
+    ("moves", ("_buckets", "resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys
+    (
+        "engines",
+        ("formats", "fsdp", "tp", "optim"),
+    ),  # FSDP.apply, TP, optimizers, quantized formats
+    ("steps", ("grad_engine", "train", "checkpoint", "models")),  # train_step, checkpoints, models
     ("planner", ("planner",)),  # prices strategies by running the engines
     ("tools", ("display", "plot", "launcher")),  # pictures, the process launcher
     ("api", ("",)),  # functional_fsdp/__init__.py: re-exports everything
 )
 
-# Circles other branches of the architecture issue remove (planner's own modules; the FSDP
-# API and deferred init). Listed so this test passes on every branch until those land; the
-# test fails once a circle here is gone, so its entry is deleted with it.
-PENDING_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"planner._plan", "planner._render"}),
-    frozenset({"planner", "planner._compare", "plot"}),
-    frozenset({"fsdp.api", "fsdp.materialize"}),
-)
+# Circles still present, each with its reason. None today; an entry here is deleted once its
+# circle is gone (test_cycles fails on a stale entry).
+PENDING_CYCLES: tuple[frozenset[str], ...] = ()
 
 # Imports of torch.distributed outside functional_fsdp/distributed/, each with its reason.
 # Keys: (module, or a package prefix ending in "."; the imported name or a prefix ending in ".").
@@ -50,13 +48,6 @@ TORCH_DISTRIBUTED_ALLOWED: dict[tuple[str, str], str] = {
         "process group the distributed layer hands it"
     ),
     ("checkpoint.dcp", "torch.distributed.tensor."): "DCP state dicts hold DTensors",
-    # Pending: modules owned by the other branches of the architecture issue; each call is
-    # routed through functional_fsdp.distributed.process at merge, then the entry goes.
-    ("train", "torch.distributed"): "pending: dist.get_rank() -> distributed.process.rank()",
-    ("optim.clipping", "torch.distributed"): "pending: dist.get_rank() -> process.rank()",
-    ("fsdp.materialize", "torch.distributed._local_tensor."): (
-        "pending: _real_tensors() -> distributed.axes._simulation_paused()"
-    ),
 }
 
 

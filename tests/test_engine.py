@@ -129,6 +129,72 @@ def test_any_call_convention_on_a_simulated_mesh():
         torch.testing.assert_close(full[k], ref[k])
 
 
+def test_each_apply_call_has_one_state_of_its_own_dropped_with_its_graph(monkeypatch):
+    """The interpreter creates one CallState per apply call (units, calls, prefetches,
+    reductions in flight) and keeps nothing between calls: each is freed, without the cycle
+    collector, once the caller drops the call's outputs and gradients."""
+    import gc
+    import weakref
+
+    from functional_fsdp.fsdp import runtime, units
+
+    made: list[weakref.ref] = []
+
+    class Recorded(units.CallState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(runtime, "CallState", Recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    gc.disable()
+    try:
+        with ff.simulated_mesh({"dp": 2}) as mesh:
+            sm = ff.fsdp(model, mesh, units=["0", "2"])
+            params = sm.shard()
+            x = torch.randn(4, 4)
+            for _ in range(2):
+                grads = torch.func.grad(lambda p: sm.apply(p, x).square().sum())(params)
+                assert set(grads) == set(params)
+                state = made[-1]()
+                assert state is None, "a call's state outlived its gradients"
+                del grads
+            assert len(made) == 2
+            out, pullback = torch.func.vjp(lambda p: sm.apply(p, x), params)
+            assert made[-1]() is not None  # alive with the call's graph
+            assert [c.unit.plan.name for c in made[-1]().calls] == ["0", "2"]
+            del out, pullback
+            assert made[-1]() is None
+    finally:
+        gc.enable()
+
+
+def test_the_gradient_rule_has_one_owner_that_the_plan_follows():
+    """fsdp.gradients decides the reduction: reduce-scatter over the data axes a spec shards,
+    all-reduce over those it replicates, nothing over model axes; the plan's gather rounds
+    and replicated axes are read off it."""
+    from functional_fsdp.fsdp.gradients import Reduction, mean_divisor, reduction
+    from functional_fsdp.fsdp.layout import model_layout
+
+    data = ("replicate", "shard")
+    assert reduction(ff.P("shard"), data) == Reduction(("shard",), ("replicate",))
+    assert reduction(ff.P(("tp", "shard"), None), data) == Reduction(("shard",), ("replicate",))
+    assert reduction(ff.P(None, "tp"), data) == Reduction((), data)
+    sizes = {"replicate": 2, "shard": 3, "tp": 2}
+    assert mean_divisor(sizes, data, ff.Policy()) == 6
+    assert mean_divisor(sizes, data, ff.Policy(grad_reduce="sum")) == 1
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    specs = {"0.weight": ff.P("shard"), "0.bias": ff.P(), "1.weight": ff.P(None, "tp"),
+             "1.bias": ff.P()}  # fmt: skip
+    plan = model_layout(model, sizes, specs, ["0", "1"], data, None)
+    for up in plan.units.values():
+        for name, replicated in zip(up.names, up.replicated):
+            assert replicated == reduction(specs[name], data).replicated
+        gathered = {(up.names[p.index], rnd.axis) for rnd in up.rounds for p in rnd.pieces}
+        assert gathered == {(n, a) for n in up.names for a in reduction(specs[n], data).scattered}
+
+
 def test_apply_rejects_parameters_of_another_shape():
     torch.manual_seed(0)
     small = nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 4))

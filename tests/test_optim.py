@@ -275,6 +275,66 @@ def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
     assert not old & {t.data_ptr() for t in _tensors(new_state)}
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fo.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda: fo.chain(clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.5)),
+    ],
+    ids=["sgd", "clip_adamw"],
+)
+def test_donation_is_an_update_argument_bitwise_as_out_of_place(
+    make: Callable[[], fo.GradientTransformation],
+) -> None:
+    """``update(..., donate=True)`` writes the updates and the state in place (their tensors
+    are reused) and gives the numbers of the pure update; without it nothing is written."""
+    opt = make()
+    assert isinstance(opt, fo.GradientTransformationExtraArgs)
+    params = _model_params()
+    grads = _grads(params, steps=3)
+    pure = donated = opt.init(params)
+    for g in grads:
+        want, pure = opt.update(g, pure, params)
+        mine = tree_map(torch.clone, g)
+        ptrs = {t.data_ptr() for t in _tensors(mine)} | {t.data_ptr() for t in _tensors(donated)}
+        got, donated = opt.update(mine, donated, params, donate=True)
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(want), _tensors(got)))
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(pure), _tensors(donated)))
+        assert {t.data_ptr() for t in _tensors(donated)} <= ptrs  # written in place
+
+
+def test_grad_norm_goes_to_the_first_member_of_a_chain_only() -> None:
+    """``grad_norm`` describes the updates a chain receives: its first member may use it,
+    later ones (which see transformed updates) and a mask's inner one compute their own."""
+    g = {"w": torch.tensor([3.0, 4.0])}
+    told = torch.tensor(50.0)  # not the norm (5.0): shows who used it
+    first = fo.chain(clip_by_global_norm(1.0), fo.identity())
+    u, _ = first.update(g, first.init(g), grad_norm=told)
+    assert torch.allclose(u["w"], g["w"] / 50.0)
+    later = fo.chain(fo.scale(2.0), clip_by_global_norm(1.0))
+    u, _ = later.update(g, later.init(g), grad_norm=told)
+    assert torch.allclose(u["w"], torch.tensor([0.6, 0.8]), atol=1e-6)
+    inside = fo.masked(clip_by_global_norm(1.0), {"w": True})
+    u, _ = inside.update(g, inside.init(g), grad_norm=told)
+    assert torch.allclose(u["w"], torch.tensor([0.6, 0.8]), atol=1e-6)
+
+
+def test_an_extra_args_update_gets_only_the_keywords_it_names() -> None:
+    """A GradientTransformationExtraArgs written for ``finite=`` alone (no ``**kwargs``)
+    still works under train_step, which also passes ``donate=`` and ``grad_norm=``."""
+    seen = {}
+
+    def update(updates, state, params=None, *, finite=None):
+        seen["finite"] = finite
+        return updates, state
+
+    mine = fo.GradientTransformationExtraArgs(lambda params: fo.EmptyState(), update)
+    opt = fo.chain(mine, fo.sgd(0.5))
+    step = ff.train_step(lambda p, b: (p["w"] * b).sum(), opt, batch="local", donate=True)
+    state, _ = step(ff.TrainState.create({"w": torch.ones(2)}, opt), torch.ones(2))
+    assert torch.equal(state.params["w"], torch.full((2,), 0.5)) and bool(seen["finite"])
+
+
 def test_apply_updates_keeps_param_dtype() -> None:
     params = {"w": torch.ones(3, dtype=torch.bfloat16), "v": torch.ones(2, dtype=torch.float64)}
     updates = {"w": torch.full((3,), -0.5), "v": torch.full((2,), -0.25, dtype=torch.float64)}

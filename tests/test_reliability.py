@@ -204,7 +204,7 @@ def test_torchrun_restart_of_a_gloo_group_needs_no_environment_variable():
     failed to connect (or hung) in 3 of 4 runs on this machine."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "--monitor-interval=0.1", "--rdzv-backend=c10d"]
-    cmd += [f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "tests/_restart_script.py"]
+    cmd += [f"--rdzv-endpoint=127.0.0.1:{free_port()}", "tests/_restart_script.py"]
     run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "rank 1 fails on purpose in the first attempt" in run.stderr

@@ -171,6 +171,27 @@ def test_gloo_strategies_match_reference_trajectory(pools):
 
 
 @pytest.mark.multiprocess
+def test_gloo_clipping_reuses_the_steps_gradient_norm(pools):
+    """With ``chain(clip_by_global_norm, ...)`` the step's gradient norm (for its metrics) is
+    the one the clipping uses: one norm all-reduce per step where the gradients are sharded
+    (ZeRO-3, ZeRO-2), none where they are replicated (DDP), and bitwise the same numbers as a
+    clipping that computes the norm again."""
+    got = pools.run(2, T.clip_norm_once, ["zero3", "zero2", "ddp"])[0]
+    for name, r in got.items():
+        assert r["bitwise"], name
+        shared, own = r["shared"], r["own"]
+        count, nbytes = shared[("all_reduce", "dp")]
+        sharded = name != "ddp"
+        # the same collectives, less the second norm all-reduce (one fp32 scalar: 2 * 4 *
+        # (n - 1) / n bytes per rank on n = 2 ranks)
+        assert own[("all_reduce", "dp")] == (count + sharded, nbytes + 4 * sharded), name
+        assert {k: v for k, v in shared.items() if k != ("all_reduce", "dp")} == {
+            k: v for k, v in own.items() if k != ("all_reduce", "dp")
+        }
+    assert got["zero3"]["shared"][("all_reduce", "dp")][0] == 2  # the loss and the norm
+
+
+@pytest.mark.multiprocess
 def test_gloo_hsdp_trajectory(pools):
     names = ["hsdp", "zero1_dp4", "zero2_dp4"]
     for name, (loss_diff, param_diff) in pools.run(4, T.compare_strategies, names)[0].items():

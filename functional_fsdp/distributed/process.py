@@ -31,8 +31,8 @@ def free_port() -> int:
 
 
 def is_initialized() -> bool:
-    """Whether this process has joined a process group."""
-    return dist.is_initialized()
+    """Whether this process has joined a process group (``False`` where torch has no c10d)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank(group: Group = None) -> int:

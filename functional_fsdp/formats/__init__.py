@@ -15,12 +15,13 @@ quantization). A second format (torchao's ``NF4Tensor``) is one more file and on
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from ._copy import shallow_copy as shallow_copy
 
 
 class Format(Protocol):
@@ -151,22 +152,6 @@ def _rebuild(module: nn.Module, path: str, copies: dict[str, nn.Module]) -> nn.M
     for name, child in module._modules.items():
         if child is not None:
             c._modules[name] = _rebuild(child, prefix + name, copies)
-    return c
-
-
-def shallow_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
-    """A copy of ``module`` (of class ``cls``, default its own) with its own parameter, buffer
-    and child dicts (values shared); an instance-level forward bound to ``module`` is bound to
-    the copy."""
-    c = object.__new__(cls or type(module))
-    d = module.__dict__.copy()
-    d["_parameters"] = dict(module._parameters)
-    d["_buffers"] = dict(module._buffers)
-    d["_modules"] = dict(module._modules)
-    own = d.get("forward")
-    if isinstance(own, types.MethodType) and own.__self__ is module:
-        d["forward"] = types.MethodType(own.__func__, c)
-    object.__setattr__(c, "__dict__", d)
     return c
 
 

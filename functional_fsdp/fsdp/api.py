@@ -1,7 +1,7 @@
 """Functional FSDP forward and backward over any ``nn.Module``.
 
 ``fsdp(module, mesh, ...)`` describes how a module's parameters are sharded and grouped into
-units and builds the :class:`~functional_fsdp.fsdp.plan.Plan` once; ``FSDP.apply(params,
+units and builds the :class:`~functional_fsdp.fsdp.layout.ModelLayout` once; ``FSDP.apply(params,
 *args, **kwargs)`` runs the module with ``torch.func.functional_call`` semantics on a dict of
 ``Sharded`` parameters. The module object is never changed, not even during the call: each
 call runs on its own shallow copies of the module tree (see
@@ -44,8 +44,8 @@ from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
 from ..spec import P, did_you_mean, format_mesh
 from . import runtime
+from .layout import ModelLayout, model_layout
 from .materialize import init_sharded
-from .plan import Plan, make_plan
 from .policy import (
     ModuleWrapper,
     Policy,
@@ -101,10 +101,10 @@ class FSDP:
     specs: Specs
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = ()
     trainable_override: TrainableArg = None
-    plan: Plan = field(init=False, repr=False)
+    plan: ModelLayout = field(init=False, repr=False)
     _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
     _sizes: dict[str, int] = field(init=False, repr=False)
-    _other_plans: dict[tuple[P, ...], Plan] = field(init=False, repr=False)
+    _other_plans: dict[tuple[P, ...], ModelLayout] = field(init=False, repr=False)
     _complex: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,8 +123,8 @@ class FSDP:
             self, "_modules", tuple(self.module.named_modules(remove_duplicate=False))
         )
 
-    def _make_plan(self, specs: dict[str, P | None]) -> Plan:
-        return make_plan(
+    def _make_plan(self, specs: dict[str, P | None]) -> ModelLayout:
+        return model_layout(
             self.module,
             self._sizes,
             specs,  # type: ignore[arg-type]
@@ -258,7 +258,7 @@ class FSDP:
             buffers,
         )
 
-    def _plan_for(self, params: Any) -> Plan:
+    def _plan_for(self, params: Any) -> ModelLayout:
         """Check ``params`` against the module; the plan for their layout."""
         expected = self.plan.expected
         other = False

@@ -21,34 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..spec import Layout, P, format_mesh, gather_schedule, spec_problem
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One parameter's part in a round: its block before the gather, and the dim it joins."""
-
-    index: int  # position in the unit's parameter list
-    local_shape: tuple[int, ...]
-    dim: int
-    gathered_len: int  # length of ``dim`` after the gather, padding cut
-    chunked: bool  # dim 0, laid out as torch.chunk pads it: one fused copy in and out
-
-    def padded_shape(self, n: int) -> tuple[int, ...]:
-        shape = list(self.local_shape)
-        shape[self.dim] *= n
-        return tuple(shape)
-
-
-@dataclass(frozen=True)
-class Round:
-    """One bucketed all-gather: ``axis`` out of the listed parameters, all of one dtype."""
-
-    axis: str
-    size: int  # of the axis
-    dtype: torch.dtype
-    pieces: tuple[Piece, ...]
-    first: bool  # every input is a shard (not the output of an earlier round): prefetchable
+from .._buckets import Piece as Piece
+from .._buckets import Round as Round
+from .._buckets import plan_rounds as _plan_rounds
+from ..spec import Layout, P, format_mesh, spec_problem
+from .gradients import reduction
 
 
 @dataclass(frozen=True)
@@ -100,37 +77,13 @@ def gather_rounds(
     """The all-gather rounds that rebuild each parameter from its shard.
 
     Each round gathers one data axis that is minor in a dim of the parameters it lists (a
-    dim split over two data axes takes two rounds), bucketed by gather dtype.
+    dim split over two data axes takes two rounds), bucketed by gather dtype: the data axes
+    each spec shards (the gradient rule's reduce-scatter axes), with the bucketing of
+    :func:`functional_fsdp._buckets.plan_rounds` (an axis of size 1 takes no round).
     """
-    # Gathering over an axis of size 1 moves nothing: the shard is already the full block.
-    current = list(layouts)
-    for i, lay in enumerate(current):
-        for a in lay.spec.axes:
-            if a in data_axes and sizes[a] == 1:
-                current[i] = current[i].gathered(a)
-    wanted = [[a for a in lay.spec.axes if a in data_axes] for lay in current]
-    touched = [False] * len(current)
-    rounds: list[Round] = []
-    for axis, ready in gather_schedule(current, wanted):
-        n = sizes[axis]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in ready:
-            by_dtype.setdefault(gather_dtypes[i], []).append(i)
-        for dtype, idx in by_dtype.items():
-            pieces = []
-            for i in idx:
-                lay = current[i]
-                dim = lay.spec.dim_of(axis)
-                if dim is None:  # pragma: no cover - the schedule only lists sharded dims
-                    raise RuntimeError(f"internal: {axis!r} shards no dim of {lay}")
-                length = lay.block_sizes(dim)[-2]
-                chunked = dim == 0 and -(-length // n) == lay.local_shape[0]
-                pieces.append(Piece(i, lay.local_shape, dim, length, chunked))
-            rounds.append(Round(axis, n, dtype, tuple(pieces), not any(touched[i] for i in idx)))
-        for i in ready:
-            current[i] = current[i].gathered(axis)
-            touched[i] = True
-    return tuple(rounds)
+    # The data axes each spec shards: gathered here, reduce-scattered by the gradient rule.
+    wanted = [reduction(lay.spec, data_axes).scattered for lay in layouts]
+    return _plan_rounds(layouts, sizes, wanted, gather_dtypes)
 
 
 def unit_of(name: str, units: Sequence[str]) -> str:
@@ -229,7 +182,7 @@ def model_layout(
             rounds=rounds,
             last_round=tuple(last_round),
             gathered_bytes=sum(full_bytes),
-            replicated=tuple(tuple(a for a in data_axes if a not in specs[n].axes) for n in names),
+            replicated=tuple(reduction(specs[n], data_axes).replicated for n in names),
             labels=tuple(
                 tuple(
                     f"{names[p.index]} {layouts[p.index].global_shape} {layouts[p.index].spec}"

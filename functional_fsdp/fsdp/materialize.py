@@ -43,6 +43,7 @@ from torch.utils import swap_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._partition import mark_frozen
+from ..distributed.axes import _simulation_paused
 from ..distributed.simulate import is_simulated
 from ..resharding import shard
 from ..sharded import Sharded
@@ -336,9 +337,7 @@ def _real_tensors() -> Iterator[None]:
     if not is_simulated():
         yield
         return
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
-    with enabled_local_tensor_mode().disable():  # type: ignore[union-attr]
+    with _simulation_paused():
         yield
 
 

@@ -1,6 +1,6 @@
 """The interpreter under :meth:`FSDP.apply <functional_fsdp.FSDP.apply>` (private).
 
-:func:`run` executes a :class:`~functional_fsdp.fsdp.plan.Plan` on one call's parameters.
+:func:`run` executes a :class:`~functional_fsdp.fsdp.layout.ModelLayout` on one call's parameters.
 Everything it creates belongs to that call and dies with its autograd graph:
 
 * a *copy of the module tree*: every module object is copied shallowly (its own parameter,
@@ -9,7 +9,10 @@ Everything it creates belongs to that call and dies with its autograd graph:
   never on the user's module, so calls on several threads, and an ``apply`` inside a module's
   forward, each run on their own copies. A checkpointed unit recomputes on the same copies
   in backward.
-* the per-call state of :mod:`functional_fsdp.fsdp.units`.
+* a :class:`~functional_fsdp.fsdp.units.CallState`: the units, their gathers and
+  prefetches, the reductions in flight. :func:`run` creates it and drives it; the module
+  copies' forwards reach it through :func:`_unit_forward`; nothing of it outlives the call's
+  autograd graph, and no state is kept between calls.
 
 No reference cycle is created: a copy's installed forward holds the call's state, which
 refers to the copies only weakly, so a step's tensors are freed as soon as the caller drops
@@ -32,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..distributed import collectives as C
+from ..distributed.axes import mesh_device as mesh_device
 from ..distributed.simulate import is_simulated
 from .functions import (
     Checkpoint,
@@ -44,10 +48,10 @@ from .functions import (
     cast_floating,
     flatten,
 )
-from .memory import Phase, active_trackers
-from .plan import Plan, UnitPlan
+from .layout import ModelLayout, UnitLayout
+from .memory import active_trackers
 from .policy import ModuleWrapper, Policy
-from .units import Call, Context, InFlight, Unit, _plain
+from .units import Call, CallState, Context
 
 Slot = tuple["weakref.ReferenceType[nn.Module]", str]  # (module copy, attribute name)
 
@@ -153,15 +157,8 @@ class _Forward:
         return forward(*args, **kwargs)
 
 
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device the mesh computes on (this process's GPU for a CUDA mesh)."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 def run(
-    plan: Plan,
+    plan: ModelLayout,
     modules: Sequence[tuple[str, nn.Module]],
     mesh: DeviceMesh,
     sizes: dict[str, int],
@@ -188,25 +185,12 @@ def run(
         simulated=is_simulated(),
         device=mesh_device(mesh),
     )
-    in_flight = InFlight()
-    units = {
-        name: Unit(up, ctx, [params[n].local for n in up.names], in_flight)
-        for name, up in plan.units.items()
-    }
-    known = _REPLICAS.get()
-    if known:
-        for unit in units.values():
-            _use_replicas(unit, known)
-    if not ctx.sync:
-        _check_unsynced(units)
+    state = CallState(plan, ctx, params, _REPLICAS.get())
     if not ctx.simulated and not torch.is_anomaly_enabled():
         # One fence over every differentiated shard, before any gather (see ReduceFence).
         # Only those: an autograd.Function's outputs all require grad when one input does.
-        live = [s for u in units.values() for s in u.shards if s.requires_grad]
-        fenced = iter(ReduceFence.apply(in_flight, *live) if live else ())
-        for unit in units.values():
-            unit.defer = True
-            unit.shards = [next(fenced) if s.requires_grad else s for s in unit.shards]
+        live = state.differentiated_shards()
+        state.fenced(ReduceFence.apply(state.in_flight, *live) if live else ())
 
     copies = copy_modules(modules)
     _recompute_with_own_params(copies)
@@ -220,115 +204,88 @@ def run(
     if buffers:
         _set_buffers(copies, modules, buffers)
 
-    steps = _Steps(plan, units, slots, ctx)
     by_path: dict[str, list[ModuleWrapper]] = {}
     for path, wrapper in wrappers:  # inner wrappers first (tensor-parallel styles)
         by_path.setdefault(path, []).append(wrapper)
     for path in {*by_path, *plan.order}:
         module = copies[path]
-        unit = functools.partial(steps.unit_forward, path) if path in steps.position else None
+        unit = (
+            functools.partial(_unit_forward, state, slots, path) if path in state.position else None
+        )
         base = module.__dict__.get("forward")
         module.__dict__["forward"] = _Forward(module, base, by_path.get(path, ()), unit)
 
-    root = Call(units[""], -1) if "" in units else None
+    root = state.root_call()
     try:
         if root is not None:
-            _set(slots[""], steps.gather(root))
-        steps.prefetch_forward(-1)
+            _set(slots[""], _gather(root))
+        state.prefetch_forward(-1)
         if root is not None:
-            steps.note_compute("", "forward")
+            state.note_compute("", "forward")
         mp = policy.mixed_precision
         if mp.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), mp.param_dtype)
         out = copies[""](*args, **kwargs)
     finally:
-        for unit in units.values():  # issued ahead for a call that did not come
-            unit.drop_prefetch("forward")
+        state.drop_prefetches()  # issued ahead for a call that did not come
     if policy.mixed_precision.output_dtype is not None:
         out = cast_floating(out, policy.mixed_precision.output_dtype)
     if policy.reshard_after_forward and root is not None:
         root.free("forward")
         # The root's backward starts first: prefetch the last calls from there.
-        out, root.hooked = attach(PreBackward, out, steps.backward_hook(root, len(steps.calls)))
+        hook = state.backward_hook(root, len(state.calls))
+        out, root.hooked = attach(PreBackward, out, hook)
     return out
 
 
-class _Steps:
-    """The forward of one ``apply`` call, unit by unit (holds no module copy strongly)."""
-
-    def __init__(
-        self,
-        plan: Plan,
-        units: dict[str, Unit],
-        slots: dict[str, list[list[Slot]]],
-        ctx: Context,
-    ):
-        self.plan, self.units, self.slots, self.ctx = plan, units, slots, ctx
-        self.calls: list[Call] = []  # this call's unit invocations, in order
-        self.position = {name: i for i, name in enumerate(plan.order)}
-        self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
-
-    def note_compute(self, unit: str, phase: Phase) -> None:
-        for tracker in self.ctx.trackers:
-            tracker._record("compute", unit, phase, 0, -1)
-
-    def gather(self, call: Call) -> list[torch.Tensor]:
-        return list(UnitGather.apply(call, *call.unit.shards))
-
-    def prefetch_forward(self, position: int) -> None:
-        """Issue the all-gathers of the units after ``position`` in module order (each once)."""
-        depth = self.ctx.policy.prefetch
-        start = max(position + 1, self.prefetched_upto + 1)
-        for name in self.plan.order[start : position + 1 + depth]:
-            unit = self.units[name]
-            if unit.calls == 0:
-                unit.prefetch("forward")
-        self.prefetched_upto = max(self.prefetched_upto, position + depth)
-
-    def backward_hook(self, call: Call, position: int) -> Callable[[], None]:
-        """Before ``call``'s backward: gather it again, and prefetch the calls before it."""
-        calls, depth = self.calls, self.ctx.policy.prefetch
-
-        def hook() -> None:
-            call.regather()
-            for earlier in calls[max(0, position - depth) : position][::-1]:
-                if earlier.hooked:
-                    earlier.unit.prefetch("backward")
-            self.note_compute(call.unit.plan.name, "backward")
-
-        return hook
-
-    def unit_forward(self, name: str, inner: Callable[..., Any], *a: Any, **kw: Any) -> Any:
-        unit, policy = self.units[name], self.ctx.policy
-        ckpt = policy.checkpoint
-        use_ckpt = ckpt(name) if callable(ckpt) else bool(ckpt)
-        call = Call(unit, len(self.calls))
-        self.calls.append(call)
-        if not unit.differentiated and unit.plan.rounds:
-            # No gather backward will free this unit's parameters after its backward.
-            (a, kw), _ = attach(PostBackward, (a, kw), lambda: call.free("backward"))
-        tensors = self.gather(call)
-        self.prefetch_forward(self.position[name])
-        self.note_compute(name, "forward")
-        mp = policy.mixed_precision
-        if mp.cast_forward_inputs:
-            a, kw = cast_floating((a, kw), mp.param_dtype)
-        where = self.slots[name]
-        if use_ckpt:
-            out = _checkpointed(inner, where, tensors, unit.plan, self.plan.placeholders, a, kw)
-        else:
-            _set(where, tensors)
-            try:
-                out = inner(*a, **kw)
-            finally:
-                _restore(where, unit.plan, self.plan.placeholders)
-        if policy.reshard_after_forward:
-            call.free("forward")
-            out, call.hooked = attach(PreBackward, out, self.backward_hook(call, call.position))
-        return out
+def _gather(call: Call) -> list[torch.Tensor]:
+    """The call's unit gathered (its backward reduce-scatters: :class:`UnitGather`)."""
+    return list(UnitGather.apply(call, *call.unit.shards))
 
 
-def _restore(where: list[list[Slot]], up: UnitPlan, placeholders: dict[str, torch.Tensor]) -> None:
+def _unit_forward(
+    state: CallState,
+    slots: dict[str, list[list[Slot]]],
+    name: str,
+    inner: Callable[..., Any],
+    *a: Any,
+    **kw: Any,
+) -> Any:
+    """Unit ``name``'s module runs: gather it, prefetch the next, run ``inner`` with the
+    gathered parameters installed on the module copies, free them after (if asked)."""
+    policy = state.ctx.policy
+    ckpt = policy.activation_checkpointing
+    use_ckpt = ckpt(name) if callable(ckpt) else bool(ckpt)
+    call = state.begin(name)
+    unit = call.unit
+    if not unit.differentiated and unit.plan.rounds:
+        # No gather backward will free this unit's parameters after its backward.
+        (a, kw), _ = attach(PostBackward, (a, kw), lambda: call.free("backward"))
+    tensors = _gather(call)
+    state.prefetch_forward(state.position[name])
+    state.note_compute(name, "forward")
+    mp = policy.mixed_precision
+    if mp.cast_forward_inputs:
+        a, kw = cast_floating((a, kw), mp.param_dtype)
+    where = slots[name]
+    placeholders = state.plan.placeholders
+    if use_ckpt:
+        out = _checkpointed(inner, where, tensors, unit.plan, placeholders, a, kw)
+    else:
+        _set(where, tensors)
+        try:
+            out = inner(*a, **kw)
+        finally:
+            _restore(where, unit.plan, placeholders)
+    if policy.reshard_after_forward:
+        call.free("forward")
+        out, call.hooked = attach(PreBackward, out, state.backward_hook(call, call.position))
+    return out
+
+
+def _restore(
+    where: list[list[Slot]], up: UnitLayout, placeholders: dict[str, torch.Tensor]
+) -> None:
     for aliases, slots in zip(up.aliases, where):
         for alias, (ref, attr) in zip(aliases, slots):
             module = ref()
@@ -340,7 +297,7 @@ def _checkpointed(
     inner: Callable[..., Any],
     where: list[list[Slot]],
     params: list[torch.Tensor],
-    up: UnitPlan,
+    up: UnitLayout,
     placeholders: dict[str, torch.Tensor],
     args: Any,
     kwargs: Any,
@@ -438,31 +395,3 @@ def _set_buffers(
                 f"are {known[:8]}."
             )
         module._buffers[attr] = t
-
-
-def _use_replicas(unit: Unit, known: dict[int, torch.Tensor]) -> None:
-    """Give ``unit`` the replicas of its gathered parameters, if every one has one."""
-    gathered = {p.index for rnd in unit.plan.rounds for p in rnd.pieces}
-    if not gathered:
-        return
-    found = [known.get(id(_plain(s))) for s in unit.shards]
-    if all(found[i] is not None for i in gathered):
-        unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
-
-
-def _check_unsynced(units: dict[str, Unit]) -> None:
-    """With ``grad_reduce="none"`` a differentiated parameter must not be sharded over a data
-    axis: its gradient could not be returned unreduced."""
-    for unit in units.values():
-        for rnd in unit.plan.rounds:
-            for piece in rnd.pieces:
-                if unit.shards[piece.index].requires_grad:
-                    name = unit.plan.names[piece.index]
-                    lay = unit.plan.layouts[piece.index]
-                    raise ValueError(
-                        f"Policy(grad_reduce='none'): params[{name!r}] (shape "
-                        f"{lay.global_shape}, {lay.spec}) is sharded over data axis "
-                        f"{rnd.axis!r}, so its gradient cannot stay unreduced. Gather the data "
-                        f"axes first (train_step(accumulate_mode='local') does), or use "
-                        f"grad_reduce='mean'."
-                    )

@@ -1,5 +1,8 @@
-"""Per-call state of the FSDP engine (private): one :class:`Unit` per unit and ``apply``.
+"""Per-call state of the FSDP engine (private): one :class:`CallState` per ``apply`` call.
 
+* :class:`CallState`: everything one call creates and its backward uses, in one object that
+  the interpreter (:func:`functional_fsdp.fsdp.runtime.run`) creates per call and drives;
+  it dies with the call's autograd graph. Nothing survives from one call to the next.
 * :class:`Context`: what the units of one call share (mesh, policy, accounting).
 * :class:`Unit`: a unit's shards and the all-gathers issued ahead (prefetch); it gathers
   (bucketed rounds) and reduces (bucketed reduce-scatter, all-reduce over replicated data
@@ -17,15 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._buckets import issue_gather, pack_grads, unpack_gathered, unpack_reduced
+from ..distributed import checks
 from ..distributed import collectives as C
+from .gradients import mean_divisor
+from .layout import ModelLayout, Round, UnitLayout, gather_dtype
 from .memory import EventKind, MemoryTracker, Phase
-from .plan import Piece, Round, UnitPlan, gather_dtype
 from .policy import Policy
 
 
@@ -66,12 +72,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _as_leading(t: torch.Tensor, piece: Piece, n: int) -> torch.Tensor:
-    """View a padded full tensor as ``[n, *local_shape]``: rank ``r``'s block at index ``r``."""
-    d, shape = piece.dim, piece.local_shape
-    return t.view(*shape[:d], n, shape[d], *shape[d + 1 :]).movedim(d, 0)
-
-
 def divide_factors(factor: int, dtype: torch.dtype) -> tuple[int, float]:
     """``(pre, post)``: divide gradients by ``pre`` before the reduction, ``post`` after.
 
@@ -97,7 +97,7 @@ class Unit:
     """
 
     def __init__(
-        self, plan: UnitPlan, ctx: Context, shards: list[torch.Tensor], in_flight: InFlight
+        self, plan: UnitLayout, ctx: Context, shards: list[torch.Tensor], in_flight: InFlight
     ):
         self.plan, self.ctx = plan, ctx
         self.shards = shards  # the locals, as passed to the gather (maybe torch.func-wrapped)
@@ -143,14 +143,10 @@ class Unit:
 
     def _issue(self, r: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order)."""
-        flat = (
-            inputs[0].reshape(-1)
-            if len(inputs) == 1
-            else torch.cat([t.reshape(-1) for t in inputs])
-        )
         plan, ctx = self.plan, self.ctx
-        axis = plan.rounds[r].axis
-        return C.raw_all_gather(flat, ctx.mesh, axis, counters=ctx.counters, meta=plan.labels[r])
+        return issue_gather(
+            inputs, ctx.mesh, plan.rounds[r], counters=ctx.counters, meta=plan.labels[r]
+        )
 
     def gather(
         self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None] | None = None
@@ -187,7 +183,7 @@ class Unit:
                     else gathered.new_empty(p.padded_shape(n))
                     for p in rnd.pieces
                 ]
-                _copy_out(gathered, rnd, outs)
+                unpack_gathered(gathered, rnd, outs)
             for p, out in zip(rnd.pieces, outs):
                 full[p.index] = out
                 padded = out.shape[p.dim] != p.gathered_len
@@ -217,9 +213,7 @@ class Unit:
         if not needed:
             return current
         sizes = ctx.sizes
-        factor = 1
-        if ctx.policy.grad_reduce == "mean" and ctx.sync:
-            factor = math.prod(sizes[a] for a in ctx.data_axes)
+        factor = mean_divisor(sizes, ctx.data_axes, ctx.policy)  # the gradient rule's
         pre, post = divide_factors(factor, current[needed[0]].dtype)  # type: ignore[union-attr]
         incoming = {id(g) for g in grads}
         if pre != 1:  # narrow dtypes: divide before the sum can overflow (new buffers)
@@ -244,19 +238,11 @@ class Unit:
         for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
             meta = plan.labels[r]
-            if len(pieces) < len(rnd.pieces) and C._CHECK:  # for the debug check only
+            if len(pieces) < len(rnd.pieces) and checks._CHECK:  # for the debug check only
                 meta = tuple(m for m, p in zip(meta, rnd.pieces) if current[p.index] is not None)
             n = rnd.size
             inputs: list[torch.Tensor] = [current[p.index] for p in pieces]  # type: ignore[misc]
-            if all(p.chunked for p in pieces):
-                flat = torch._chunk_cat(inputs, dim=0, num_chunks=n)  # pads, one copy
-            else:
-                rows = []
-                for p, g in zip(pieces, inputs):
-                    full = g.new_zeros(p.padded_shape(n))
-                    full.narrow(p.dim, 0, p.gathered_len).copy_(g)
-                    rows.append(_as_leading(full, p, n).reshape(n, -1))
-                flat = torch.cat(rows, dim=1)
+            flat = pack_grads(inputs, pieces, n)
             if defer:
                 reduced, finish = C.raw_reduce_scatter_start(
                     flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta
@@ -266,11 +252,8 @@ class Unit:
                 reduced = C.wait(
                     C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta)
                 )
-            offset = 0
-            for p in pieces:
-                numel = math.prod(p.local_shape)
-                current[p.index] = reduced[offset : offset + numel].view(p.local_shape)
-                offset += numel
+            for p, block in zip(pieces, unpack_reduced(reduced, pieces)):
+                current[p.index] = block
         if defer:
             return current
         if ctx.sync:
@@ -381,20 +364,6 @@ class Call:
         unit.note("gather", "backward", self.token, unit.token if prefetched else None)
 
 
-def _copy_out(gathered: torch.Tensor, rnd: Round, outs: list[torch.Tensor]) -> None:
-    """Copy an all-gather's ``[n, total]`` output into each piece's padded full tensor."""
-    n = rnd.size
-    if all(p.dim == 0 for p in rnd.pieces):
-        sizes = [math.prod(p.local_shape) for p in rnd.pieces]
-        torch.split_with_sizes_copy(gathered, sizes, dim=1, out=[o.view(n, -1) for o in outs])
-        return
-    offset = 0
-    for p, out in zip(rnd.pieces, outs):
-        numel = math.prod(p.local_shape)
-        _as_leading(out, p, n).copy_(gathered[:, offset : offset + numel].view(n, *p.local_shape))
-        offset += numel
-
-
 def _all_reduce_replicated(
     grads: list[torch.Tensor | None], replicated: Sequence[tuple[str, ...]], ctx: Context
 ) -> None:
@@ -413,3 +382,124 @@ def _all_reduce_replicated(
             for i, g in zip(idx, parts):
                 grads[i] = flat[offset : offset + g.numel()].view(g.shape)  # type: ignore[union-attr]
                 offset += g.numel()  # type: ignore[union-attr]
+
+
+class CallState:
+    """The state of one ``FSDP.apply`` call and its backward, in one place.
+
+    * ``units``: ``{unit path: Unit}``, each with its shards, the all-gathers issued ahead
+      for it (prefetch), whether it is differentiated and, for ZeRO-1/2, its replicas;
+    * ``calls``: the unit invocations in forward order, with their gathered tensors (freed
+      after forward, gathered again before backward);
+    * ``in_flight``: the reduce-scatters left in flight during the backward;
+    * ``prefetched_upto``: how far down the module order forward all-gathers were issued.
+
+    The interpreter creates it per call and drives it (gathers through the engine's autograd
+    functions, prefetches, hooks); the autograd functions reach the :class:`Call` and
+    :class:`Unit` they were given. Nothing here calls back into the interpreter.
+    """
+
+    def __init__(
+        self,
+        plan: ModelLayout,
+        ctx: Context,
+        params: Mapping[str, Any],
+        replicas: Mapping[int, torch.Tensor] | None = None,
+    ):
+        self.plan, self.ctx = plan, ctx
+        self.in_flight = InFlight()
+        self.units = {
+            name: Unit(up, ctx, [params[n].local for n in up.names], self.in_flight)
+            for name, up in plan.units.items()
+        }
+        if replicas:
+            for unit in self.units.values():
+                _use_replicas(unit, replicas)
+        if not ctx.sync:
+            _check_unsynced(self.units)
+        self.calls: list[Call] = []  # this call's unit invocations, in order
+        self.position = {name: i for i, name in enumerate(plan.order)}
+        self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
+
+    def differentiated_shards(self) -> list[torch.Tensor]:
+        """The shards that require grad, in unit order (what the reduce fence covers)."""
+        return [s for u in self.units.values() for s in u.shards if s.requires_grad]
+
+    def fenced(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Take the fence's outputs (one per :meth:`differentiated_shards`, in order) as the
+        shards the units gather from; their reductions may now stay in flight."""
+        it = iter(outputs)
+        for unit in self.units.values():
+            unit.defer = True
+            unit.shards = [next(it) if s.requires_grad else s for s in unit.shards]
+
+    def begin(self, name: str) -> Call:
+        """A new invocation of unit ``name`` (a module may run several times)."""
+        call = Call(self.units[name], len(self.calls))
+        self.calls.append(call)
+        return call
+
+    def root_call(self) -> Call | None:
+        """The root unit's one call, gathered before the module runs; not in ``calls`` (its
+        backward comes first and prefetches the last calls), or ``None`` without a root."""
+        return Call(self.units[""], -1) if "" in self.units else None
+
+    def note_compute(self, unit: str, phase: Phase) -> None:
+        for tracker in self.ctx.trackers:
+            tracker._record("compute", unit, phase, 0, -1)
+
+    def prefetch_forward(self, position: int) -> None:
+        """Issue the all-gathers of the units after ``position`` in module order (each once)."""
+        depth = self.ctx.policy.prefetch
+        start = max(position + 1, self.prefetched_upto + 1)
+        for name in self.plan.order[start : position + 1 + depth]:
+            unit = self.units[name]
+            if unit.calls == 0:
+                unit.prefetch("forward")
+        self.prefetched_upto = max(self.prefetched_upto, position + depth)
+
+    def backward_hook(self, call: Call, position: int) -> Callable[[], None]:
+        """Before ``call``'s backward: gather it again, and prefetch the calls before it."""
+        calls, depth = self.calls, self.ctx.policy.prefetch
+
+        def hook() -> None:
+            call.regather()
+            for earlier in calls[max(0, position - depth) : position][::-1]:
+                if earlier.hooked:
+                    earlier.unit.prefetch("backward")
+            self.note_compute(call.unit.plan.name, "backward")
+
+        return hook
+
+    def drop_prefetches(self) -> None:
+        """Discard the forward all-gathers issued for calls that did not come."""
+        for unit in self.units.values():
+            unit.drop_prefetch("forward")
+
+
+def _use_replicas(unit: Unit, known: Mapping[int, torch.Tensor]) -> None:
+    """Give ``unit`` the replicas of its gathered parameters, if every one has one."""
+    gathered = {p.index for rnd in unit.plan.rounds for p in rnd.pieces}
+    if not gathered:
+        return
+    found = [known.get(id(_plain(s))) for s in unit.shards]
+    if all(found[i] is not None for i in gathered):
+        unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
+
+
+def _check_unsynced(units: Mapping[str, Unit]) -> None:
+    """With ``grad_reduce="none"`` a differentiated parameter must not be sharded over a data
+    axis: its gradient could not be returned unreduced."""
+    for unit in units.values():
+        for rnd in unit.plan.rounds:
+            for piece in rnd.pieces:
+                if unit.shards[piece.index].requires_grad:
+                    name = unit.plan.names[piece.index]
+                    lay = unit.plan.layouts[piece.index]
+                    raise ValueError(
+                        f"Policy(grad_reduce='none'): params[{name!r}] (shape "
+                        f"{lay.global_shape}, {lay.spec}) is sharded over data axis "
+                        f"{rnd.axis!r}, so its gradient cannot stay unreduced. Gather the data "
+                        f"axes first (train_step(accumulate_mode='local') does), or use "
+                        f"grad_reduce='mean'."
+                    )

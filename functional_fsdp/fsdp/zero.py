@@ -21,14 +21,15 @@ from collections.abc import Sequence
 import torch
 
 from ..distributed import collectives as C
+from ..distributed.axes import mesh_device
 from ..distributed.mesh import axis_sizes
 from ..distributed.simulate import is_simulated
 from ..resharding import _cut_block, reshard
 from ..sharded import Sharded
 from ..spec import Layout, P
-from .plan import UnitPlan, gather_dtype, plan_rounds
+from .gradients import reduction
+from .layout import UnitLayout, gather_dtype, gather_rounds
 from .policy import Policy
-from .runtime import mesh_device
 from .units import Context, InFlight, Unit
 
 
@@ -70,15 +71,15 @@ def _unit_plan(
     sizes: tuple[tuple[str, int], ...],
     data_axes: tuple[str, ...],
     param_dtype: torch.dtype | None,
-) -> UnitPlan:
+) -> UnitLayout:
     """The plan of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
     gdtypes = [gather_dtype(d, param_dtype) for d in dtypes]
-    rounds = plan_rounds(layouts, dict(sizes), data_axes, gdtypes)
+    rounds = gather_rounds(layouts, dict(sizes), data_axes, gdtypes)
     last = [-1] * len(names)
     for r, rnd in enumerate(rounds):
         for p in rnd.pieces:
             last[p.index] = r
-    return UnitPlan(
+    return UnitLayout(
         name="<zero>",
         names=tuple(names),
         aliases=tuple((n,) for n in names),
@@ -86,7 +87,7 @@ def _unit_plan(
         dtypes=dtypes,
         rounds=rounds,
         last_round=tuple(last),
-        replicated=tuple(tuple(a for a in data_axes if a not in lay.spec.axes) for lay in layouts),
+        replicated=tuple(reduction(lay.spec, data_axes).replicated for lay in layouts),
         gathered_bytes=0,
         labels=tuple(
             tuple(

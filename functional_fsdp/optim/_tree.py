@@ -7,11 +7,9 @@ their local tensors. Errors name leaves by dotted path and show ``Sharded`` valu
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -114,42 +112,19 @@ def zeros_like_tree(tree: Any) -> Any:
     return tree_map(torch.zeros_like, tree)
 
 
-_DONATING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "functional_fsdp_optim_donating", default=False
-)
-
-
-@contextlib.contextmanager
-def donating(enabled: bool = True) -> Iterator[None]:
-    """Let transformations overwrite the updates and the state they are given.
-
-    Only ``train_step(donate=True)`` enters this: the updates are then gradients the step
-    owns, and the state is donated. Results are bitwise the same as out of place.
-    ``donating(False)`` turns it off inside (``apply_if_finite`` runs its inner optimizer out
-    of place, then selects the results into the donated buffers).
-    """
-    token = _DONATING.set(enabled)
-    try:
-        yield
-    finally:
-        _DONATING.reset(token)
-
-
-def is_donating() -> bool:
-    """True inside :func:`donating`."""
-    return _DONATING.get()
-
-
-def map_foreach(fn: Callable[..., list[torch.Tensor]], tree: Any, *args: Any, **kw: Any) -> Any:
+def map_foreach(
+    fn: Callable[..., list[torch.Tensor]], tree: Any, *args: Any, donate: bool = False, **kw: Any
+) -> Any:
     """``fn(local_tensors, *args, **kw)``, rebuilt into the structure of ``tree``.
 
-    When donating, the in-place variant (``torch._foreach_mul_`` for ``_foreach_mul``)
-    overwrites ``tree``'s tensors instead.
+    ``donate``: ``tree``'s tensors may be overwritten (the updates of a
+    ``train_step(donate=True)``, which the step owns): the in-place variant
+    (``torch._foreach_mul_`` for ``_foreach_mul``) writes them instead. Bitwise the same.
     """
     leaves, treedef = local_leaves(tree)
     if not leaves:
         return tree
-    if _DONATING.get():
+    if donate:
         inplace = getattr(torch, fn.__name__ + "_", None)
         if inplace is not None:
             inplace(leaves, *args, **kw)

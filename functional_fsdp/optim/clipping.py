@@ -14,17 +14,23 @@ from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._tree import dotted
 from ..distributed import collectives as C
+from ..distributed import process
 from ..distributed.mesh import axis_names, coordinate_of
 from ..distributed.simulate import is_simulated, per_coordinate
 from ..sharded import Sharded, unpad
 from ..spec import Layout
 from ._tree import check_real, map_foreach
-from .transforms import EmptyState, GradientTransformation, OptState, Params, Updates
+from .transforms import (
+    EmptyState,
+    GradientTransformationExtraArgs,
+    OptState,
+    Params,
+    Updates,
+)
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -60,7 +66,7 @@ def _real_part(value: Sharded) -> torch.Tensor:
     if not dims:
         return value.local
     if not is_simulated():
-        return unpad(value.local, layout, coordinate_of(value.mesh, dist.get_rank()))
+        return unpad(value.local, layout, coordinate_of(value.mesh, process.rank()))
     out = value.local
     for dim in dims:
         length = out.shape[dim]
@@ -128,11 +134,14 @@ def global_norm(tree: Any) -> torch.Tensor:
     return torch.stack(list(partial.values())).sum().sqrt()
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     """Scale updates by ``min(1, max_norm / (global_norm + 1e-6))``, like ``clip_grad_norm_``.
 
     The norm is :func:`global_norm`, so it is right for any mix of sharded and replicated
-    values on any mesh, and every rank applies the same scale. No host sync.
+    values on any mesh, and every rank applies the same scale. No host sync. Given
+    ``grad_norm=`` (the :func:`global_norm` of these updates, which ``train_step`` computes
+    for its metrics anyway), ``update`` uses it instead of computing the norm again: one
+    all-reduce per step fewer.
 
     Example:
         >>> import torch
@@ -145,9 +154,16 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         raise ValueError("clip_by_global_norm: max_norm must be positive, got 0.0.")
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        grad_norm: torch.Tensor | None = None,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
-        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
-        return map_foreach(torch._foreach_mul, updates, coef), state
+        norm = global_norm(updates) if grad_norm is None else grad_norm
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return map_foreach(torch._foreach_mul, updates, coef, donate=donate), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformationExtraArgs(lambda params: EmptyState(), update)

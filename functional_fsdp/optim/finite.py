@@ -17,7 +17,7 @@ import optree
 import torch
 
 from .._tree import NAMESPACE
-from ._tree import donating, is_donating, local_leaves
+from ._tree import local_leaves
 from .clipping import global_norm
 from .transforms import (
     GradientTransformation,
@@ -27,6 +27,7 @@ from .transforms import (
     Updates,
     _with_learning_rate,
     _with_report,
+    call_update,
     learning_rate_fn,
 )
 
@@ -171,6 +172,9 @@ def apply_if_finite(
         params: Params | None = None,
         *,
         finite: torch.Tensor | None = None,
+        grad_norm: torch.Tensor | None = None,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, ApplyIfFiniteState]:
         if not isinstance(state, ApplyIfFiniteState):
             raise TypeError(
@@ -178,13 +182,16 @@ def apply_if_finite(
                 f"state that this transformation's init() returned."
             )
         if finite is None:
-            finite = torch.isfinite(global_norm(updates))
-        in_place = is_donating()
+            finite = torch.isfinite(global_norm(updates) if grad_norm is None else grad_norm)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         apply = finite | (notfinite_count > limit)
-        with donating(False):  # the old state must survive a skip: never written here
-            new_updates, new_inner = inner.update(updates, state.inner_state, params)
-        new_inner = _select(apply, new_inner, state.inner_state, in_place)
+        # The inner optimizer runs out of place (donate=False): the old state must survive a
+        # skip. The updates it gets are these: their norm is still grad_norm.
+        inner_extra = {**extra, "donate": False}
+        if grad_norm is not None:
+            inner_extra["grad_norm"] = grad_norm
+        new_updates, new_inner = call_update(inner, updates, state.inner_state, params, inner_extra)
+        new_inner = _select(apply, new_inner, state.inner_state, donate)
         leaves, treedef = local_leaves(new_updates)
         new_updates = optree.tree_unflatten(treedef, [torch.where(apply, u, -0.0) for u in leaves])
         return new_updates, ApplyIfFiniteState(

@@ -25,8 +25,10 @@ from .transforms import (
     Updates,
     _with_learning_rate,
     _with_report,
+    call_update,
     learning_rate_fn,
     report_fn,
+    without,
 )
 
 _PARAM_DTYPE = "_ff_param_dtype"
@@ -104,7 +106,6 @@ def master_weights(
                 f"master_weights({name}={dtype!r}): use a floating torch dtype, e.g. "
                 f"torch.bfloat16 for the parameters and torch.float32 for the masters."
             )
-    takes_extra = isinstance(optimizer, GradientTransformationExtraArgs)
 
     def init(params: Params) -> MasterWeightsState:
         check_tensor_tree(params, "master_weights.init")
@@ -120,10 +121,10 @@ def master_weights(
                 f"its init() returned (a MasterWeightsState)."
             )
         grads = _cast(updates, master_dtype)
-        inner_updates, inner = (
-            optimizer.update(grads, state.inner, state.master, **kwargs)
-            if takes_extra
-            else optimizer.update(grads, state.inner, state.master)
+        # The inner optimizer gets the gradients cast to the master dtype, whose norm need not
+        # be ``grad_norm`` bit for bit: it computes its own.
+        inner_updates, inner = call_update(
+            optimizer, grads, state.inner, state.master, without(kwargs)
         )
         m, treedef = local_leaves(state.master)
         new_master = optree.tree_unflatten(
@@ -137,8 +138,7 @@ def master_weights(
             out = optree.tree_unflatten(p_def, torch._foreach_sub(cast, p))
         return out, MasterWeightsState(new_master, inner)
 
-    cls = GradientTransformationExtraArgs if takes_extra else GradientTransformation
-    out = cls(init, update)
+    out = GradientTransformationExtraArgs(init, update)
     setattr(out.update, _PARAM_DTYPE, param_dtype)
     rate = learning_rate_fn(optimizer)
     if rate is not None:

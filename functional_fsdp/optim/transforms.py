@@ -4,7 +4,10 @@ A :class:`GradientTransformation` is a pair of pure functions, ``init(params) ->
 ``update(updates, state, params=None) -> (updates, state)``. They map over the local tensors
 of the tree (``Sharded`` values are seen through), so an optimizer needs no sharding logic:
 it updates each rank's shards with multi-tensor ``torch._foreach_*`` kernels. Inputs are never
-written; every kernel here is out of place.
+written unless the caller donates them: every transformation here is a
+:class:`GradientTransformationExtraArgs` whose ``update`` takes ``donate=True`` (the caller
+owns the updates and gives up the state, as ``train_step(donate=True)`` does) and then
+writes the updates and its state in place, bitwise as out of place.
 
 Step counts are Python ints in the state by default. Schedules, bias corrections and momentum
 factors are then computed on the host in double precision, like ``torch.optim``'s default
@@ -29,6 +32,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -44,7 +49,6 @@ from ._tree import (
     check_real,
     check_tensor_tree,
     check_unit_interval,
-    is_donating,
     leaves_like,
     local_leaves,
     map_foreach,
@@ -74,6 +78,9 @@ class TransformInitFn(Protocol):
 
 class TransformUpdateFn(Protocol):
     """``update(updates, state, params=None) -> (new_updates, new_state)``.
+
+    The built-in transformations also take keyword arguments (``donate=``, ``grad_norm=``,
+    ``finite=``; see :class:`GradientTransformationExtraArgs`).
 
     Example:
         >>> import torch
@@ -109,10 +116,19 @@ class GradientTransformation(NamedTuple):
 class GradientTransformationExtraArgs(GradientTransformation):
     """A :class:`GradientTransformation` whose ``update`` also takes keyword arguments.
 
-    optax's name for the same thing. :func:`chain` forwards keyword arguments to the members
-    that take them, and :func:`~functional_fsdp.train_step` passes ``finite=`` (whether this
-    step's loss and gradient norm are finite, the same on every rank) to an optimizer of this
-    type, e.g. :func:`~functional_fsdp.apply_if_finite`.
+    optax's name for the same thing. An ``update`` of this type ignores the keywords it does
+    not use. :func:`chain` forwards keyword arguments to the members that take them, and
+    :func:`~functional_fsdp.train_step` passes to an optimizer of this type (every one built
+    here is):
+
+    * ``donate``: ``True`` when the updates and the state may be overwritten (the step owns
+      the gradients and its state is donated); the result is bitwise the same.
+    * ``grad_norm``: the :func:`~functional_fsdp.global_norm` of the updates as given, which
+      the step computes for its metrics anyway: :func:`~functional_fsdp.clip_by_global_norm`
+      uses it instead of another all-reduce. It describes the updates a transformation
+      receives, so :func:`chain` gives it to its first member only.
+    * ``finite``: whether this step's loss and gradient norm are finite, the same on every
+      rank (read by :func:`~functional_fsdp.apply_if_finite`).
 
     Example:
         >>> import torch
@@ -124,6 +140,50 @@ class GradientTransformationExtraArgs(GradientTransformation):
     """
 
     __slots__ = ()
+
+
+# Keyword arguments that describe the updates a transformation receives: valid for a
+# chain's first member only (the others receive what earlier members made of them).
+ABOUT_UPDATES = ("grad_norm",)
+
+
+def call_update(
+    t: GradientTransformation,
+    updates: Updates,
+    state: OptState,
+    params: Params | None,
+    extra: dict[str, Any],
+) -> tuple[Updates, OptState]:
+    """``t.update`` with the keyword arguments of ``extra`` that it takes: all of them for a
+    :class:`GradientTransformationExtraArgs` whose ``update`` has ``**kwargs``, those it
+    names otherwise (one written for ``finite=`` only), none for a plain one."""
+    if not extra or not isinstance(t, GradientTransformationExtraArgs):
+        return t.update(updates, state, params)
+    named = _keywords(t.update)
+    if named is not None:
+        extra = {k: v for k, v in extra.items() if k in named}
+    return t.update(updates, state, params, **extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` names, or ``None`` if it takes ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: pass everything, as optax does
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    )
+
+
+def without(extra: dict[str, Any], names: tuple[str, ...] = ABOUT_UPDATES) -> dict[str, Any]:
+    """``extra`` less ``names`` (by default what no longer describes transformed updates)."""
+    return {k: v for k, v in extra.items() if k not in names}
 
 
 class EmptyState(NamedTuple):
@@ -248,8 +308,9 @@ def learning_rate_of(optimizer: GradientTransformation, state: OptState) -> floa
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply transformations in order; the state is the tuple of their states.
 
-    If any member is a :class:`GradientTransformationExtraArgs`, so is the chain: keyword
-    arguments given to its ``update`` go to those members.
+    The chain is a :class:`GradientTransformationExtraArgs`: keyword arguments given to its
+    ``update`` go to the members that take them (``grad_norm``, which describes the chain's
+    input, to the first member only).
 
     Example:
         >>> import torch
@@ -266,8 +327,6 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"sgd(0.1); call factory functions (adam(1e-3), not adam)."
             )
 
-    extra = [isinstance(t, GradientTransformationExtraArgs) for t in transforms]
-
     def init(params: Params) -> OptState:
         return tuple(t.init(params) for t in transforms)
 
@@ -281,14 +340,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 f"state that this chain's init() returned."
             )
         new_state = []
-        for t, s, takes in zip(transforms, state, extra):
-            updates, s = (
-                t.update(updates, s, params, **kwargs) if takes else t.update(updates, s, params)
-            )
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            updates, s = call_update(t, updates, s, params, kwargs if i == 0 else without(kwargs))
             new_state.append(s)
         return updates, tuple(new_state)
 
-    out = (GradientTransformationExtraArgs if any(extra) else GradientTransformation)(init, update)
+    out = GradientTransformationExtraArgs(init, update)
     reports = [(i, fn) for i, t in enumerate(transforms) if (fn := report_fn(t)) is not None]
     if reports:
         _with_report(
@@ -314,11 +371,11 @@ def identity() -> GradientTransformation:
         return EmptyState()
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -332,11 +389,16 @@ def scale(factor: float) -> GradientTransformation:
     factor = check_real("scale", "factor", factor)
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
-        return map_foreach(torch._foreach_mul, updates, factor), state
+        return map_foreach(torch._foreach_mul, updates, factor, donate=donate), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformationExtraArgs(lambda params: EmptyState(), update)
 
 
 def _check_schedule(where: str, name: str, fn: object) -> None:
@@ -392,14 +454,18 @@ def _scale_by_schedule(
         return ScaleByScheduleState(count=0)
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
         factor = sign * _scheduled(where, fn, state.count, low=low)
-        return map_foreach(torch._foreach_mul, updates, factor), ScaleByScheduleState(
-            state.count + 1
-        )
+        new = map_foreach(torch._foreach_mul, updates, factor, donate=donate)
+        return new, ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)
 
 
 def _scheduled_rate(where: str, fn: Schedule) -> LearningRateFn:
@@ -470,14 +536,19 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         return TraceState(trace=zeros_like_tree(params))
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
         buf = leaves_like("trace", "state.trace", state.trace, updates)
         g, treedef = local_leaves(updates)
         if not g:
             return updates, state
         new_buf = torch._foreach_add(g, buf, alpha=decay)
-        if is_donating():  # write the buffer and the updates in place (same arithmetic)
+        if donate:  # write the buffer and the updates in place (same arithmetic)
             torch._foreach_copy_(buf, new_buf)
             if nesterov:
                 torch._foreach_add_(g, buf, alpha=decay)
@@ -488,7 +559,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         new_trace = optree.tree_unflatten(treedef, new_buf)
         return optree.tree_unflatten(treedef, out), TraceState(trace=new_trace)
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -512,7 +583,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return ScaleByAdamState(count=0, mu=zeros_like_tree(params), nu=zeros_like_tree(params))
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
         mu = leaves_like("scale_by_adam", "state.mu", state.mu, updates)
         nu = leaves_like("scale_by_adam", "state.nu", state.nu, updates)
@@ -521,7 +597,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if not g:
             return updates, state._replace(count=count)
         bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
-        if is_donating():  # moments in place, the step's grads reused as scratch
+        if donate:  # moments in place, the step's grads reused as scratch
             torch._foreach_lerp_(mu, g, 1.0 - b1)
             torch._foreach_mul_(nu, b2)
             torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
@@ -541,7 +617,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         )
         return optree.tree_unflatten(treedef, out), new_state
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)
 
 
 def _bias_correction(beta: float, count: int | torch.Tensor) -> float | torch.Tensor:
@@ -569,7 +645,12 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         return masked(add_decayed_weights(weight_decay), mask)
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates,
+        state: OptState,
+        params: Params | None = None,
+        *,
+        donate: bool = False,
+        **extra: Any,
     ) -> tuple[Updates, OptState]:
         if params is None:
             raise ValueError(
@@ -579,9 +660,10 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         p = leaves_like("add_decayed_weights", "params", params, updates, SAME_PARAMS_HINT)
         if weight_decay == 0.0 or not p:
             return updates, state
-        return map_foreach(torch._foreach_add, updates, p, alpha=weight_decay), state
+        new = map_foreach(torch._foreach_add, updates, p, alpha=weight_decay, donate=donate)
+        return new, state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    return GradientTransformationExtraArgs(lambda params: EmptyState(), update)
 
 
 # --------------------------------------------------------------------------- masks
@@ -634,7 +716,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         return MaskedState(inner.init(select(flags, leaves, treedef)))
 
     def update(
-        updates: Updates, state: OptState, params: Params | None = None
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
         # The mask is resolved on the params when given (as in init), else on the updates.
         flags, leaves, treedef = _mask_flags("masked", mask, updates if params is None else params)
@@ -648,12 +730,15 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
                 ) from None
         sub_params = None if params is None else select(flags, leaves, treedef)
         sub_updates = select(flags, u_leaves, treedef)
-        new_sub, inner_state = inner.update(sub_updates, state.inner_state, sub_params)
+        # The inner transformation sees some of the updates: their norm is not ``grad_norm``.
+        new_sub, inner_state = call_update(
+            inner, sub_updates, state.inner_state, sub_params, without(extra)
+        )
         new_leaves = treedef.flatten_up_to(new_sub)
         out = [n if f else u for u, n, f in zip(u_leaves, new_leaves, flags)]
         return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
 
-    out = GradientTransformation(init, update)
+    out = GradientTransformationExtraArgs(init, update)
     report = report_fn(inner)
     if report is not None:
         _with_report(out, lambda s: report(s.inner_state))

@@ -3,7 +3,7 @@
 The planner prices a configuration with the same pure data the engine runs on: the specs are
 resolved as :func:`functional_fsdp.fsdp` resolves them, laid out with
 :meth:`Layout.make <functional_fsdp.Layout.make>` on the mesh's axis sizes, and grouped into
-units and all-gather rounds by :func:`functional_fsdp.fsdp.plan.make_plan`. No process group,
+units and all-gather rounds by :func:`functional_fsdp.fsdp.layout.model_layout`. No process group,
 no mesh and no real memory: the model may live on ``meta``.
 
 Figures (per rank; every rank holds a block of the same padded shape):
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
-from ..fsdp.plan import Plan, gather_dtype, make_plan
+from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import param_dtype_of
 from ..optim.transforms import GradientTransformation, adamw, sgd
@@ -558,10 +558,10 @@ def _plan(
     paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
     resolved = dict(zip((p[0] for p in paths), resolve_specs(module_params, specs)))
     param_specs = {n: resolved[n] or P() for n in module_params}
-    the_plan: Plan = _memo(
+    the_plan: ModelLayout = _memo(
         memo,
         ("plan", tuple(sizes.items()), tuple(param_specs.items()), unit_paths, data_axes),
-        lambda: make_plan(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype),
+        lambda: model_layout(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype),
         mp.param_dtype,
     )
     train = _trainable(model, trainable)
@@ -794,7 +794,7 @@ def _trainable(model: nn.Module, trainable: Any) -> frozenset[str]:
 
 
 def _compute_params(
-    the_plan: Plan,
+    the_plan: ModelLayout,
     sizes: Mapping[str, int],
     data_axes: tuple[str, ...],
     param_dtype: torch.dtype | None,

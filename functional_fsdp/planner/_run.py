@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..distributed import process
 from ..distributed.collectives import count_comms
 from ..distributed.simulate import simulated_mesh
 from ..fsdp.api import fsdp
@@ -206,7 +206,7 @@ def count_step(
 
 def check_no_process_group() -> None:
     """The shapes-only mesh makes its own (fake) process group: none may exist yet."""
-    if dist.is_available() and dist.is_initialized():
+    if process.is_initialized():
         raise RuntimeError(
             "ff.plan counts the collectives of one real train_step on a shapes-only simulated "
             "mesh, which needs its own (fake) process group, but one already exists (a "
