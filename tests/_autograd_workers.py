@@ -218,7 +218,7 @@ def gradient_checkpointing() -> dict[str, dict[str, Any]]:
         before = _module_state(model)
         # Also inside units that the policy checkpoints (Hugging Face's checkpoint runs as
         # a plain call there: the unit's recompute already recomputes it).
-        policy = ff.Policy(checkpoint=kind.endswith("units"))
+        policy = ff.Policy(activation_checkpointing=kind.endswith("units"))
 
         def run(model: nn.Module = model, policy: ff.Policy = policy) -> dict[str, Any]:
             got_losses, got = lora_run(model, "auto", policy)

@@ -124,7 +124,9 @@ CASES_SIM = {
         model="gpt",
         mesh={"dp": 2},
         n_layer=4,
-        fsdp=dict(policy=ff.Policy(checkpoint=lambda unit: unit == "blocks.0", prefetch=2)),
+        fsdp=dict(
+            policy=ff.Policy(activation_checkpointing=lambda unit: unit == "blocks.0", prefetch=2)
+        ),
     ),
     "hsdp_4_blocks": {**CASES_4["hsdp"], "n_layer": 4},
     "fsdp_tp_4_blocks": {**CASES_4["fsdp_tp"], "n_layer": 4},
