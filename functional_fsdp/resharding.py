@@ -344,6 +344,12 @@ class _GatherRound(torch.autograd.Function):
     @staticmethod
     def forward(mesh: DeviceMesh, rnd: Round, *locals_: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         gathered = C.wait(issue_gather(locals_, mesh, rnd, meta=rnd.pieces))  # [n, total]
+        (first, *rest) = rnd.pieces
+        if not rest and first.dim == 0 and rnd.size > 1:
+            # One value gathered on dim 0: the [n, numel] buffer already is its padded full
+            # tensor (rank r's block at rows r), so no second copy is held at the peak.
+            full = gathered.view(first.padded_shape(rnd.size))
+            return (full.narrow(0, 0, first.gathered_len),)
         # Fresh padded full tensors (never aliasing an input shard, also where n == 1).
         outs = [gathered.new_empty(p.padded_shape(rnd.size)) for p in rnd.pieces]
         unpack_gathered(gathered, rnd, outs)

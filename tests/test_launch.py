@@ -206,7 +206,7 @@ def test_a_worker_that_cannot_join_the_process_group_is_reported():
         pool.run(_noop)
     message = str(info.value)
     assert "_noop failed: rank 0 failed to start." in message
-    assert "Unknown backend type no-such-backend" in message
+    assert "init_distributed(backend='no-such-backend'): not a c10d backend" in message
     assert "Check the backend and device" in message
 
 

@@ -557,8 +557,9 @@ def test_reshard_trees_and_its_gradient(mesh22):
     y = ff.reshard(x, {"w": P(None, ("tp", "dp")), "b": P("tp"), "n": None})
     assert y["n"] == 4 and y["w"].spec == P(None, ("tp", "dp")) and y["b"].spec == P("tp")
     assert_ranks_equal(ff.gather(y)["w"], [full["w"]] * 4)
-    # A plain tensor in the tree is left alone.
-    assert ff.reshard({"t": full["w"]}, P("dp"))["t"] is full["w"]
+    # A plain tensor cannot be laid out by reshard (shard() splits full tensors): it says so.
+    with pytest.raises(TypeError, match=r"\['t'\] \(shape \(6, 5\)\) is a plain tensor"):
+        ff.reshard({"t": full["w"]}, P("dp"))
     # Differentiable: the gradient lands back on the source layout. "w" is replicated over
     # tp, so (as for gather) each tp replica holds a partial gradient of sum_r loss_r; their
     # sum is the reference (the library's gradient rule reduces replicated data axes).
