@@ -53,6 +53,15 @@ import functional_fsdp as ff
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MIB = 2**20
+ROWS = (
+    "base at rest",
+    "projections at rest",
+    "load (allocated peak)",
+    "state before the step",
+    "train step (RSS growth)",
+    "export (allocated peak)",
+    "step seconds",
+)
 
 
 def peak(fn, held=()):
@@ -111,6 +120,25 @@ def timed_steps(step, steps: int):
         out = step()
         seconds = time.perf_counter() - start
     return out, seconds
+
+
+def figures(*values: float) -> dict[str, float]:
+    """One column: the rows in the table's order."""
+    return dict(zip(ROWS, values, strict=True))
+
+
+def autograd_steps(model, batch: torch.Tensor, steps: int):
+    """``steps`` plain-autograd AdamW steps on ``model``'s trainable parameters; the
+    resident growth and the last step's seconds (peft's and FSDP2's steps)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def train():
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    (_, seconds), growth = rss_growth(lambda: timed_steps(train, steps))
+    return growth, seconds
 
 
 def lora(model):
@@ -175,15 +203,7 @@ def run_ff(
     (_, seconds), step_peak = rss_growth(lambda: timed_steps(train, steps))
     held = [v.local for v in state.params.values()]
     _, export_peak = peak(lambda: ff.checkpoint.export_merged(sm, state.params, out), held)
-    return {
-        "base at rest": at_rest,
-        "projections at rest": proj,
-        "load (allocated peak)": load_peak,
-        "state before the step": state_bytes,
-        "train step (RSS growth)": step_peak,
-        "export (allocated peak)": export_peak,
-        "step seconds": seconds,
-    }
+    return figures(at_rest, proj, load_peak, state_bytes, step_peak, export_peak, seconds)
 
 
 def run_fsdp2(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str, float]:
@@ -223,18 +243,10 @@ def run_fsdp2(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str,
     frozen = [(n, local(p)) for n, p in model.named_parameters() if not p.requires_grad]
     at_rest = sum(t.nbytes for _, t in frozen) + sum(t.nbytes for t in quant_state)
     proj = sum(t.nbytes for n, t in frozen if "_proj" in n) + sum(t.nbytes for t in quant_state)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     held = [local(p) for p in model.parameters()] + quant_state
     state_bytes = sum(t.nbytes for t in held)
     mine = batch.chunk(dist.get_world_size())[dist.get_rank()]
-
-    def train():
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    (_, seconds), step_peak = rss_growth(lambda: timed_steps(train, steps))
+    step_peak, seconds = autograd_steps(model, mine, steps)
     held = [local(p) for p in model.parameters()] + quant_state
 
     def export():
@@ -251,15 +263,7 @@ def run_fsdp2(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str,
             save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/model.safetensors")
 
     _, export_peak = peak(export, held)
-    return {
-        "base at rest": at_rest,
-        "projections at rest": proj,
-        "load (allocated peak)": load_peak,
-        "state before the step": state_bytes,
-        "train step (RSS growth)": step_peak,
-        "export (allocated peak)": export_peak,
-        "step seconds": seconds,
-    }
+    return figures(at_rest, proj, load_peak, state_bytes, step_peak, export_peak, seconds)
 
 
 def run_peft(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str, float]:
@@ -290,17 +294,9 @@ def run_peft(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str, 
     }
     proj = sum(v for n, v in at_rest.items() if "_proj" in n)
     at_rest = sum(at_rest.values())
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     held = list(model.parameters())
     state_bytes = sum(p.nbytes for p in held)
-
-    def train():
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    (_, seconds), step_peak = rss_growth(lambda: timed_steps(train, steps))
+    step_peak, seconds = autograd_steps(model, batch, steps)
 
     def export():
         with warnings.catch_warnings():
@@ -308,15 +304,7 @@ def run_peft(path: str, out: str, batch: torch.Tensor, steps: int) -> dict[str, 
             model.merge_and_unload().save_pretrained(out)
 
     _, export_peak = peak(export, held)
-    return {
-        "base at rest": at_rest,
-        "projections at rest": proj,
-        "load (allocated peak)": load_peak,
-        "state before the step": state_bytes,
-        "train step (RSS growth)": step_peak,
-        "export (allocated peak)": export_peak,
-        "step seconds": seconds,
-    }
+    return figures(at_rest, proj, load_peak, state_bytes, step_peak, export_peak, seconds)
 
 
 SIZES = {  # name: (hidden, layers, vocab)
@@ -403,7 +391,7 @@ def main() -> None:
         )
         print("| phase | " + " | ".join(systems) + " |")
         print("|---|" + "--:|" * len(systems))
-        for row in results["ff 4-bit"]:
+        for row in ROWS:
             scale = 1 if row == "step seconds" else MIB
             vals = [f"{top[s][row] / scale:.1f}" for s in systems]
             print(f"| {row} | " + " | ".join(vals) + " |")
