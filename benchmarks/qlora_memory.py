@@ -1,7 +1,7 @@
 """Peak allocated memory per rank for QLoRA: load, train step and export, four systems.
 
 A ``transformers`` Llama (untied; ``--size 118m``: hidden 512, 8 layers, vocab 8192, 118 MiB
-in fp32; ``--size 1g``: hidden 1536, 8 layers, vocab 32000, 1.13 GiB in fp32) is saved in fp32
+in fp32; ``--size 1g``: hidden 1536, 8 layers, vocab 32000, 1149 MiB in fp32) is saved in fp32
 with ``save_pretrained``. Per rank of a gloo job:
 
 * ``ff 4-bit``: the model on meta, its linear layers made bitsandbytes NF4 with double
@@ -320,7 +320,7 @@ def main() -> None:
         choices=SIZES,
         default="118m",
         help="preset Llama: 118m (hidden 512, 8 layers, vocab 8192: 118 MiB in fp32) or "
-        "1g (hidden 1536, 8 layers, vocab 32000: 1.13 GiB in fp32)",
+        "1g (hidden 1536, 8 layers, vocab 32000: 1149 MiB in fp32)",
     )
     p.add_argument("--hidden", type=int, help="overrides the preset")
     p.add_argument("--layers", type=int, help="overrides the preset")
