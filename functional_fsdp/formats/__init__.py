@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ._copy import shallow_copy as shallow_copy
+from .._modules import shallow_copy as shallow_copy
 
 
 class Format(Protocol):

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._copy import shallow_copy
+from .._modules import shallow_copy
 
 HELP_8BIT = (
     "4-bit bases are supported (BitsAndBytesConfig(load_in_4bit=True, ...), NF4 or FP4, with "

@@ -34,6 +34,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._modules import copy_tree
 from ..distributed import collectives as C
 from ..distributed.axes import mesh_device as mesh_device
 from ..distributed.simulate import is_simulated
@@ -78,30 +79,10 @@ def copy_modules(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, nn.Modul
     """Shallow copies of a module tree: ``{path: copy}`` for every path (shared modules once).
 
     Each copy has its own ``_parameters``, ``_buffers`` and ``_modules`` dicts (children
-    point to the copies); other attributes are shared with the original until set.
+    point to the copies); other attributes are shared with the original until set. A
+    ``forward`` bound to the instance is bound to the copy weakly (the copy dies with the call).
     """
-    by_id: dict[int, nn.Module] = {}
-    out: dict[str, nn.Module] = {}
-    for path, m in modules:
-        c = by_id.get(id(m))
-        if c is None:
-            c = object.__new__(type(m))
-            d = m.__dict__.copy()
-            d["_parameters"] = dict(m._parameters)
-            d["_buffers"] = dict(m._buffers)
-            d["_modules"] = dict(m._modules)
-            object.__setattr__(c, "__dict__", d)
-            own = d.get("forward")
-            if isinstance(own, types.MethodType) and own.__self__ is m:
-                d["forward"] = _Forward(c, own, rebind=True)  # bound to the copy, weakly
-            by_id[id(m)] = c
-        out[path] = c
-    for c in by_id.values():
-        children = c.__dict__["_modules"]
-        for k, child in children.items():
-            if child is not None:
-                children[k] = by_id[id(child)]
-    return out
+    return copy_tree(modules, bind=lambda c, own: _Forward(c, own, rebind=True))
 
 
 def _slot(copies: dict[str, nn.Module], name: str) -> Slot:

@@ -19,13 +19,13 @@ the full model's figures are ``f(2) + (L - 2) * (f(3) - f(2))``: exact, for the 
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._modules import copy_tree as _copy_tree
 from ..distributed import process
 from ..distributed.collectives import count_comms
 from ..distributed.simulate import simulated_mesh
@@ -40,30 +40,9 @@ SHORT = (2, 3)  # blocks in the two shortened runs
 
 
 def copy_tree(model: nn.Module) -> dict[str, nn.Module]:
-    """Shallow copies of ``model``'s module tree: ``{path: copy}`` for every path (a module
-    reached by two paths is copied once). Each copy has its own ``_parameters``, ``_buffers``
-    and ``_modules`` dicts, its children are the copies, and a ``forward`` bound to the
-    instance is bound to the copy; every other attribute is shared with the original."""
-    by_id: dict[int, nn.Module] = {}
-    out: dict[str, nn.Module] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        if id(m) not in by_id:
-            c = object.__new__(type(m))
-            d = m.__dict__.copy()
-            for slot in ("_parameters", "_buffers", "_modules"):
-                d[slot] = dict(d[slot])
-            own = d.get("forward")
-            if isinstance(own, types.MethodType) and own.__self__ is m:
-                d["forward"] = types.MethodType(own.__func__, c)
-            object.__setattr__(c, "__dict__", d)
-            by_id[id(m)] = c
-        out[path] = by_id[id(m)]
-    for c in by_id.values():
-        kids = c.__dict__["_modules"]
-        for k, child in kids.items():
-            if child is not None:
-                kids[k] = by_id[id(child)]
-    return out
+    """Shallow copies of ``model``'s module tree, ``{path: copy}`` for every path (see
+    :func:`functional_fsdp._modules.copy_tree`)."""
+    return _copy_tree(model.named_modules(remove_duplicate=False))
 
 
 def _signature(module: nn.Module, prefix: str, per_name: Callable[[str], Any]) -> Any:
