@@ -41,6 +41,9 @@ from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
 from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
+from .compiled import Jitted as Jitted
+from .compiled import TraceError as TraceError
+from .compiled import jit as jit
 from .launcher import ProcessPool as ProcessPool
 from .launcher import WorkerError as WorkerError
 from .launcher import launch as launch
@@ -142,6 +145,7 @@ __all__ = [
     "ExpertParallel",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
+    "Jitted",
     "Layout",
     "LocalAttributes",
     "MaskedState",
@@ -165,6 +169,7 @@ __all__ = [
     "Sharded",
     "Style",
     "TensorParallel",
+    "TraceError",
     "TraceState",
     "TrainState",
     "TransformInitFn",
@@ -206,6 +211,7 @@ __all__ = [
     "init_distributed",
     "init_sharded",
     "is_simulated",
+    "jit",
     "join_schedules",
     "launch",
     "learning_rate_of",

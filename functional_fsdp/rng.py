@@ -103,6 +103,14 @@ def key_bits(key: torch.Tensor, where: str = "key") -> int:
     return ((hi & 0xFFFFFFFF) << 32) | (lo & 0xFFFFFFFF)
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being traced (:func:`functional_fsdp.jit`): a fake tensor with a
+    shape and no values, from which no generator can be seeded."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def fold_in(key: torch.Tensor, data: int) -> torch.Tensor:
     """A new key from ``key`` and an integer (a step, a rank, a micro-batch index).
 

@@ -806,7 +806,10 @@ def train_step(
         )
         layout = _opt_layout(state, split, opt_specs)
         zero = layout is not None and _is_zero(model, split, layout)
-        key = None if base_key is None else random.fold_in(base_key, int(count))
+        # Traced by ff.jit, the key has no value to seed a generator with; a traced step
+        # that draws random numbers is refused there.
+        traced = base_key is None or random.traced(base_key)
+        key = None if traced else random.fold_in(base_key, int(count))
         at_rest = None
         if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
             shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose, key)

@@ -126,6 +126,19 @@ def count_comms() -> Iterator[CommCounter]:
         _COUNTERS.reset(token)
 
 
+@contextlib.contextmanager
+def isolated() -> Iterator[CommCounter]:
+    """Record into a fresh counter alone: the enclosing :func:`count_comms` blocks see
+    nothing of the block (``ff.jit`` traces a step this way, then records its collectives
+    into the caller's counters at every call)."""
+    counter = CommCounter()
+    token = _COUNTERS.set((counter,))
+    try:
+        yield counter
+    finally:
+        _COUNTERS.reset(token)
+
+
 def active_counters() -> tuple[CommCounter, ...]:
     """The counters of the enclosing :func:`count_comms` blocks.
 

@@ -1,0 +1,488 @@
+"""A compiled step: :func:`jit` traces a pure function once per input signature into one
+graph, compiles it, and replays it.
+
+A ``train_step`` is a pure function of ``(state, batch)``, so the whole step (forward,
+backward, the collectives of every unit, clipping, the optimizer update, the schedule,
+``apply_if_finite``) can be traced into one FX graph and compiled once, as ``jax.jit`` does:
+
+* **Tracing** runs the function once on fake tensors (``make_fx``): no numbers are computed
+  and no collective is sent, but every tensor operation the function performs, the c10d
+  functional collectives included, becomes a node of the graph. Python runs once, at trace
+  time: its control flow, this library's bookkeeping (units, buckets, prefetch) and the
+  module copies cost nothing when the graph is replayed.
+* **Per-step values are tensors.** A Python ``int`` among the arguments (the step count of a
+  :class:`~functional_fsdp.TrainState`, an optimizer's count) is traced as a 0-dim int64
+  tensor, so learning-rate schedules, Adam's bias correction and ``apply_if_finite``'s
+  counters are computed inside the graph and one compilation serves every step. Every other
+  non-tensor leaf (strings, floats, layouts, the mesh) is static: a new value traces again.
+* **Compiling** hands the graph to inductor (``backend="inductor"``), which fuses the
+  optimizer's elementwise work with the gradient computation and keeps the collectives as
+  asynchronous kernels. ``backend="eager"`` replays the traced graph op by op (no compiler:
+  useful to see what a trace gives before paying for a compile).
+* **Collectives stay overlapped.** Each all-gather and reduce-scatter is issued where the
+  eager step issues it (a unit's gather is prefetched before the previous unit computes), and
+  its wait is moved to just before the first use of its result.
+* **Donation.** A step built with ``train_step(..., donate=True)`` updates the state's buffers
+  in place; traced, those in-place updates are part of the graph (inductor writes the new
+  values into the donated buffers) and the input state is dead afterwards, as in eager.
+* **One source of truth for communication.** The collectives of a compiled step are those of
+  its graph: :meth:`Jitted.comms` reads them off the graph, and each call records them into
+  the enclosing :func:`~functional_fsdp.count_comms` blocks exactly as the eager step does.
+
+What a trace cannot take raises :class:`TraceError` naming it and the fix, never a silent
+fallback: reading a tensor's value in Python (``.item()``, ``if loss > 0:``, ``int(t)``),
+random numbers (dropout: a compiled step would not replay them from the state's key), and a
+simulated mesh (its ranks share one process through a dispatch mode that cannot be traced).
+Python side effects (appending to a list, printing) run once, at trace time, as under
+``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import optree
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._tree import NAMESPACE
+from .distributed import accounting
+from .distributed.accounting import CommCounter, CommRecord
+from .distributed.axes import axis_sizes
+from .distributed.simulate import is_simulated
+from .sharded import Sharded
+from .train import TrainState
+
+Backend = Literal["inductor", "eager"]
+BACKENDS: tuple[str, ...] = ("inductor", "eager")
+
+_C10D = "_c10d_functional"
+_WAIT = "wait_tensor"
+
+
+class TraceError(TypeError):
+    """A function given to :func:`jit` does something a traced step cannot.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> f = ff.jit(lambda x: x * 2 if x.sum() > 0 else x, backend="eager")
+        >>> f(torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        functional_fsdp.compiled.TraceError: ff.jit: the function reads a tensor's value in Python ...
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One compilation of a :class:`Jitted` function: its graph and what it needs to replay.
+
+    Attributes:
+        graph: the traced FX graph (flat tensors in, flat tensors out), after the wait pass.
+        run: the compiled callable (inductor's, or the graph itself with ``"eager"``).
+        out_def: the output's tree structure; ``constants`` are its non-tensor leaves.
+        records: the collectives of one call, as :func:`count_comms` records them.
+        donated: positions of the arguments (TrainStates) the function donates.
+        trace_seconds, compile_seconds: wall time of the trace and of the compile.
+    """
+
+    graph: torch.fx.GraphModule
+    run: Callable[..., Any]
+    out_def: Any
+    constants: dict[int, Any]
+    records: tuple[CommRecord, ...]
+    donated: tuple[int, ...]
+    trace_seconds: float
+    compile_seconds: float
+
+
+class Jitted:
+    """A function compiled per input signature by :func:`jit`; call it like the function.
+
+    Attributes:
+        compilations: how many times it traced and compiled (one per new input signature).
+        backend: ``"inductor"`` or ``"eager"``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], backend: Backend) -> None:
+        self.fn, self.backend = fn, backend
+        self._cache: dict[Any, Compiled] = {}
+        self.compilations = 0
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        return f"ff.jit({name}, backend={self.backend!r}, compilations={self.compilations})"
+
+    # ----------------------------------------------------------------- calling
+
+    def __call__(self, *args: Any) -> Any:
+        tensors, static, treedef = _flatten_args(args)
+        compiled = self._lookup(args, tensors, static, treedef)
+        outs = compiled.run(*tensors)
+        for counter in accounting.active_counters():
+            counter.records.extend(compiled.records)
+        for i in compiled.donated:  # dead now, as after an eager donating step
+            state = args[i]
+            state._donated_at = state._step
+        return _unflatten_out(compiled, list(outs))
+
+    def lower(self, *args: Any) -> Compiled:
+        """The compilation for these arguments (traced and compiled on first sight)."""
+        return self._lookup(args, *_flatten_args(args))
+
+    def _lookup(
+        self, args: tuple[Any, ...], tensors: list[torch.Tensor], static: list[Any], treedef: Any
+    ) -> Compiled:
+        key = _signature(tensors, static, treedef)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = self._compile(tensors, static, treedef)
+            self.compilations += 1
+        return compiled
+
+    def comms(self, *args: Any) -> CommCounter:
+        """The collectives one call with these arguments issues, read off its graph.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> ff.jit(lambda x: x + 1, backend="eager").comms(torch.ones(2)).count()
+            0
+        """
+        return graph_comms(self.lower(*args).graph, _meshes(args))
+
+    # ----------------------------------------------------------------- compiling
+
+    def _compile(self, tensors: list[torch.Tensor], static: list[Any], treedef: Any) -> Compiled:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        if is_simulated():
+            raise TraceError(
+                "ff.jit: a simulated mesh runs every rank in one process through a dispatch "
+                "mode that cannot be traced into one graph. Run the compiled step on real "
+                "processes (torchrun, or ff.launch), or call the step without ff.jit here."
+            )
+        out_info: dict[str, Any] = {}
+        positions = [i for i, x in enumerate(static) if x is _TENSOR]
+
+        def flat(*flat_tensors: torch.Tensor) -> list[torch.Tensor]:
+            leaves = list(static)
+            for p, t in zip(positions, flat_tensors):
+                leaves[p] = t
+            call_args = optree.tree_unflatten(treedef, leaves)
+            out = self.fn(*call_args)
+            out_leaves, out_def = optree.tree_flatten(out, namespace=NAMESPACE, none_is_leaf=True)
+            out_info["def"] = out_def
+            out_info["constants"] = {
+                i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)
+            }
+            out_info["donated"] = tuple(
+                i
+                for i, a in enumerate(call_args)
+                if isinstance(a, TrainState) and a._donated_at is not None
+            )
+            return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+        start = time.perf_counter()
+        with accounting.isolated() as counter, _compiling():
+            try:
+                graph = make_fx(
+                    flat, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True
+                )(*tensors)
+            except Exception as error:  # re-raised, named where it is one a trace refuses
+                raise _trace_error(error) from error
+        _refuse_random_ops(graph)
+        sink_waits(graph)
+        traced = time.perf_counter() - start
+        start = time.perf_counter()
+        run = _backend(self.backend, graph, tensors)
+        return Compiled(
+            graph=graph,
+            run=run,
+            out_def=out_info["def"],
+            constants=out_info["constants"],
+            records=tuple(counter.records),
+            donated=out_info["donated"],
+            trace_seconds=traced,
+            compile_seconds=time.perf_counter() - start,
+        )
+
+
+def jit(
+    fn: Callable[..., Any] | None = None, *, backend: Backend = "inductor"
+) -> Jitted | Callable[[Callable[..., Any]], Jitted]:
+    """Compile a pure function of pytrees (a ``train_step``) into one graph per signature.
+
+    The first call with a new input signature (tree structure, each tensor's shape, dtype
+    and device, every static leaf's value) traces the function on fake tensors and compiles
+    the graph; later calls with the same signature replay it. See the module docstring for
+    what is traced, what is static, and what a trace refuses.
+
+    Args:
+        fn: a pure function of pytrees of tensors, :class:`~functional_fsdp.Sharded` values
+            and :class:`~functional_fsdp.TrainState` (e.g. ``ff.train_step(...)``'s step),
+            returning a pytree. Used as a decorator without ``fn``.
+        backend: ``"inductor"`` (compile with ``torch.compile``'s compiler: fused kernels)
+            or ``"eager"`` (replay the traced graph op by op, nothing compiled).
+
+    Returns:
+        A :class:`Jitted` callable with the same arguments and results as ``fn``; Python
+        ints among the arguments come back as 0-dim tensors (e.g. ``state.step``).
+
+    Raises:
+        ValueError: for an unknown backend.
+        TraceError: (at the first call) if ``fn`` reads tensor values in Python, draws
+            random numbers, or runs on a simulated mesh.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> opt = ff.adamw(1e-2)
+        >>> step = ff.train_step(lambda p, b: (p["w"] * b).pow(2).mean(), opt, batch="local")
+        >>> fast = ff.jit(step, backend="eager")  # "inductor" (the default) compiles too
+        >>> state = ff.TrainState.create({"w": torch.ones(3)}, opt)
+        >>> for _ in range(3):
+        ...     state, metrics = fast(state, torch.arange(3.0))
+        >>> int(state.step), fast.compilations
+        (3, 1)
+    """
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"ff.jit: backend must be 'inductor' (compile the traced step) or 'eager' (replay "
+            f"the traced graph op by op), got {backend!r}."
+        )
+    if fn is None:
+        return lambda f: Jitted(f, backend)
+    if not callable(fn):
+        raise TypeError(
+            f"ff.jit takes a function (e.g. the step ff.train_step returns), got "
+            f"{type(fn).__name__}."
+        )
+    return Jitted(fn, backend)
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true while tracing, as under ``torch.export``'s
+    tracing: libraries (``transformers``' masks, this library's own checks) then skip the
+    Python-side checks of tensor values that a trace cannot take."""
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = flag
+
+
+# --------------------------------------------------------------------------- flattening
+
+
+class _TensorSlot:
+    """Marks a tensor position among the static leaves of a signature."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _flatten_args(args: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[Any], Any]:
+    """The tensors of ``args`` (Python ints among them as 0-dim int64 tensors), the static
+    leaves (``_TENSOR`` where a tensor goes) and the tree structure."""
+    leaves, treedef = optree.tree_flatten(args, namespace=NAMESPACE, none_is_leaf=True)
+    tensors, static = [], []
+    for x in leaves:
+        if isinstance(x, int) and not isinstance(x, bool):
+            x = torch.tensor(x, dtype=torch.int64)
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+            static.append(_TENSOR)
+        else:
+            static.append(x)
+    return tensors, static, treedef
+
+
+def _signature(tensors: list[torch.Tensor], static: list[Any], treedef: Any) -> Any:
+    described = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in tensors)
+    try:
+        return treedef, described, tuple(static)
+    except TypeError:  # pragma: no cover - unhashable static leaves: one entry by identity
+        return treedef, described, tuple(id(x) for x in static)
+
+
+def _unflatten_out(compiled: Compiled, outs: list[torch.Tensor]) -> Any:
+    it = iter(outs)
+    leaves = [
+        compiled.constants[i] if i in compiled.constants else next(it)
+        for i in range(compiled.out_def.num_leaves)
+    ]
+    return optree.tree_unflatten(compiled.out_def, leaves)
+
+
+def _meshes(args: tuple[Any, ...]) -> list[DeviceMesh]:
+    found: dict[int, DeviceMesh] = {}
+    is_sharded = lambda v: isinstance(v, Sharded)  # noqa: E731
+    for x in optree.tree_leaves(args, namespace=NAMESPACE, is_leaf=is_sharded):
+        if isinstance(x, Sharded):
+            found.setdefault(id(x.mesh), x.mesh)
+    return list(found.values())
+
+
+# --------------------------------------------------------------------------- the graph
+
+
+def _is_c10d(node: torch.fx.Node, name: str | None = None) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace != _C10D:
+        return False
+    return name is None or target._schema.name.split("::")[-1] == name
+
+
+def sink_waits(graph: torch.fx.GraphModule) -> int:
+    """Move every collective's wait to just before the first use of its result.
+
+    A traced c10d functional collective is followed by its ``wait_tensor`` at once; the
+    eager step instead waits where the result is needed, so compute issued in between
+    overlaps the communication. Returns the number of waits moved.
+    """
+    moved = 0
+    order = {n: i for i, n in enumerate(graph.graph.nodes)}
+    for node in list(graph.graph.nodes):
+        if not _is_c10d(node, _WAIT) or not node.users:
+            continue
+        first = min(node.users, key=lambda u: order[u])
+        if first is not node.next:
+            first.prepend(node)
+            moved += 1
+    if moved:
+        graph.graph.lint()
+        graph.recompile()
+    return moved
+
+
+def graph_comms(graph: torch.fx.GraphModule, meshes: list[DeviceMesh]) -> CommCounter:
+    """The collectives of a traced graph as :func:`count_comms` records them.
+
+    The all-to-all that the library issues for a reduce-scatter on gloo (which has none of
+    its own) counts as the reduce-scatter it is.
+    """
+    axes: dict[str, tuple[str, int]] = {}
+    for mesh in meshes:
+        for axis, size in axis_sizes(mesh).items():
+            if size > 1:
+                axes[mesh.get_group(axis).group_name] = (axis, size)
+    counter = CommCounter()
+    for node in graph.graph.nodes:
+        if not _is_c10d(node) or _is_c10d(node, _WAIT):
+            continue
+        name = node.target._schema.name.split("::")[-1]  # type: ignore[union-attr]
+        value = node.args[0].meta["val"]  # type: ignore[union-attr]
+        group = node.args[-1]
+        axis, n = axes[group] if group in axes else (str(group), _group_size(name, node))
+        size = value.numel() * value.element_size()
+        kind, buffer = {
+            "all_gather_into_tensor": ("all_gather", size * n),
+            "reduce_scatter_tensor": ("reduce_scatter", size),
+            "all_to_all_single": ("reduce_scatter", size),
+            "all_reduce": ("all_reduce", size),
+        }.get(name, (name, size))
+        accounting.record(kind, axis, n, buffer, value.dtype, (counter,))
+    return counter
+
+
+def _group_size(name: str, node: torch.fx.Node) -> int:
+    """The group size a collective node states (for a group of no mesh found in the inputs)."""
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        return int(node.args[-2])  # type: ignore[arg-type]
+    if name == "all_to_all_single":
+        return len(node.args[1])  # type: ignore[arg-type]
+    raise ValueError(
+        f"ff.jit: the graph's {name} runs over process group {node.args[-1]!r}, which is no "
+        f"axis of the meshes of the arguments' Sharded values; pass values on that mesh."
+    )
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a seeded op, unless its probability argument
+    (``p``, ``dropout_p``) is 0 (dropout of nothing, attention without dropout)."""
+    target = node.target
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(
+        target, "tags", ()
+    ):
+        return False
+    schema = target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name in ("p", "dropout_p"):
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else None)
+            if value is None:
+                value = arg.default_value
+            return value != 0
+    return True
+
+
+def _refuse_random_ops(graph: torch.fx.GraphModule) -> None:
+    for node in graph.graph.nodes:
+        if _draws(node):
+            raise TraceError(
+                f"ff.jit: the step draws random numbers ({node.target} at "
+                f"{_user_line(node.meta.get('stack_trace', ''))}), e.g. dropout. A compiled "
+                f"step cannot replay them from the state's key (and a recomputed unit would "
+                f"draw other masks than its forward), so it refuses them. Set the dropout "
+                f"probabilities to 0 (config.*dropout*, nn.Dropout(p=0)) or put the model in "
+                f"eval mode, or run the step without ff.jit."
+            )
+
+
+def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tensor]) -> Any:
+    if backend == "eager":
+        return graph
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph, tensors)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _user_line(stack: str) -> str:
+    """The innermost frame of ``stack`` (a formatted traceback) outside torch and this
+    library: where the user's code did it."""
+    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
+    library = os.path.dirname(os.path.abspath(__file__))
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in reversed(frames):
+        path = frame.split('"')[1] if '"' in frame else ""
+        if not path.startswith((library, torch_dir)):
+            return frame
+    return frames[-1] if frames else "an unknown place"
+
+
+def _frames(error: BaseException) -> Iterator[str]:
+    for frame in traceback.extract_tb(error.__traceback__):
+        yield f'File "{frame.filename}", line {frame.lineno}, in {frame.name}'
+
+
+def _trace_error(error: Exception) -> Exception:
+    """``error`` raised while tracing, named when it is one a trace cannot take."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    data_dependent = isinstance(error, DataDependentOutputException) or type(error).__name__ in (
+        "GuardOnDataDependentSymNode",
+        "DataDependentOutputException",
+    )
+    if not data_dependent:
+        return error
+    where = _user_line("\n".join(_frames(error)))
+    return TraceError(
+        f"ff.jit: the function reads a tensor's value in Python at {where} (.item(), int(t), "
+        f"float(t), `if t:` or printing a tensor). A traced step has no values, only shapes, "
+        f"so its Python cannot branch on them. Compute with tensors instead (torch.where, "
+        f"masking), move that code outside the function you jit, or call it without ff.jit."
+    )
