@@ -346,25 +346,41 @@ def _is_c10d(node: torch.fx.Node, name: str | None = None) -> bool:
 
 
 def sink_waits(graph: torch.fx.GraphModule) -> int:
-    """Move every collective's wait to just before the first use of its result.
+    """Move every collective's wait down to just before the first use of its result.
 
     A traced c10d functional collective is followed by its ``wait_tensor`` at once; the
     eager step instead waits where the result is needed, so compute issued in between
-    overlaps the communication. Returns the number of waits moved.
+    overlaps the communication. A wait never moves past an in-place write (a donated
+    buffer's update could overwrite what a collective in flight still reads). Returns the
+    number of waits moved.
     """
     moved = 0
-    order = {n: i for i, n in enumerate(graph.graph.nodes)}
-    for node in list(graph.graph.nodes):
+    nodes = list(graph.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    writes = [i for i, n in enumerate(nodes) if _writes(n)]
+    for node in nodes:
         if not _is_c10d(node, _WAIT) or not node.users:
             continue
-        first = min(node.users, key=lambda u: order[u])
-        if first is not node.next:
-            first.prepend(node)
+        target = min(node.users, key=lambda u: order[u])
+        here = order[node]
+        barrier = next((i for i in writes if i > here), None)
+        if barrier is not None and barrier < order[target]:
+            target = nodes[barrier]
+        if target is not node.next:
+            target.prepend(node)
             moved += 1
     if moved:
         graph.graph.lint()
         graph.recompile()
     return moved
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes into one of its arguments (an in-place or ``out=`` op)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def graph_comms(graph: torch.fx.GraphModule, meshes: list[DeviceMesh]) -> CommCounter:
@@ -445,7 +461,18 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
         return graph
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(graph, tensors)
+    # Inductor's scheduler would otherwise move each collective down to its wait (its peak
+    # memory pass delays the gathered buffers, which undoes the prefetch) and each wait up
+    # to its collective. Keep the trace's order (the eager step's: a unit gathered ahead)
+    # and let the greedy pass move waits down. (Its iterative variant let an in-place
+    # update of donated buffers overtake a collective still in flight: wrong numbers.)
+    overlap = {
+        "reorder_for_peak_memory": False,
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+    }
+    with torch._inductor.config.patch(overlap):
+        return compile_fx(graph, tensors)
 
 
 # --------------------------------------------------------------------------- errors

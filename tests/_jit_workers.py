@@ -150,7 +150,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / scale if scale else (a - b).norm().item()
 
 
-def compare(name: str, backend: str, steps: int, donate: bool = False) -> dict[str, Any]:
+def compare(
+    name: str, backend: str, steps: int, donate: bool = False, code: bool = False
+) -> dict[str, Any]:
     """``steps`` eager and ``steps`` compiled steps from the same state and batches: the
     largest relative differences of losses and parameters, the collectives of each (eager
     ``count_comms``, the compiled step's ``count_comms``, its graph's), compilations, and
@@ -158,7 +160,14 @@ def compare(name: str, backend: str, steps: int, donate: bool = False) -> dict[s
     torch._inductor.config.compile_threads = 1  # two ranks share two cores
     step, fresh, _, batches = setup(name, donate)
     fast = ff.jit(step, backend=backend)
-    compiled = fast.lower(fresh(), batches[0])
+    codes: list[str] = []
+    if code:  # caches off, so that inductor writes (and we read) its code
+        from torch._inductor.utils import run_and_get_code
+
+        with torch._inductor.config.patch(force_disable_caches=True):
+            compiled, codes = run_and_get_code(lambda: fast.lower(fresh(), batches[0]))
+    else:
+        compiled = fast.lower(fresh(), batches[0])
     graph_comms = fast.comms(fresh(), batches[0]).records
 
     def run(fn: Any) -> tuple[Any, list[torch.Tensor], list[Any], float, list[Any]]:
@@ -191,6 +200,8 @@ def compare(name: str, backend: str, steps: int, donate: bool = False) -> dict[s
         "skipped": [bool(m.get("skipped", False)) for m in metrics],
         "eager_skipped": [bool(m.get("skipped", False)) for m in eager_metrics],
     }
+    if code:
+        out["overlap"] = _overlap(codes)
     if donate:
         before = fresh()
         ptrs = [t.data_ptr() for t in ff.tree_leaves(before.params)]
@@ -213,3 +224,26 @@ def many_steps(name: str, backend: str, steps: int) -> dict[str, Any]:
     for i in range(steps):
         state, m = fast(state, batches[i % len(batches)])
     return {"compilations": fast.compilations, "step": int(state.step), "loss": float(m["loss"])}
+
+
+def _overlap(codes: list[str]) -> dict[str, Any]:
+    """For every collective in inductor's generated code, the compute kernels issued between
+    it and its wait."""
+    import re
+
+    start = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.\w+\.default\(")
+    in_place = re.compile(r"^torch\.ops\._c10d_functional\.all_reduce_\.default\((?:\w+\()?(\w+)")
+    wait = re.compile(r"wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
+    compute = re.compile(r"^(cpp_fused|extern_kernels\.)")
+    pending: dict[str, int] = {}
+    gaps, kernels = [], 0
+    for line in (x.strip() for code in codes for x in code.splitlines()):
+        if line.startswith("#"):
+            continue
+        if (m := wait.search(line)) and m.group(1) in pending:
+            gaps.append(kernels - pending.pop(m.group(1)))
+        elif (m := start.match(line) or in_place.match(line)) and "wait_tensor" not in line:
+            pending[m.group(1)] = kernels
+        elif compute.match(line):
+            kernels += 1
+    return {"gaps": gaps, "kernels": kernels}

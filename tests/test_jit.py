@@ -49,7 +49,7 @@ def test_traced_step_equals_eager(pools, name):
 
 # Each case compiles its own graph (5-20 s on 2 cores with a cold cache, up to 100 s at 4
 # ranks): CI compiles these; FUNCTIONAL_FSDP_SLOW_TESTS=1 compiles every case.
-INDUCTOR = ["zero3", "zero2", "apply_if_finite", "frozen", "hsdp"]
+INDUCTOR = ["zero3", "apply_if_finite", "hsdp"]
 SLOW = os.environ.get("FUNCTIONAL_FSDP_SLOW_TESTS") == "1"
 ALL = [
     pytest.param(
@@ -66,13 +66,18 @@ ALL = [
 @pytest.mark.parametrize("name", ALL)
 def test_compiled_step_follows_eager(pools, name):
     """Inductor's fused kernels round differently; after 20 AdamW steps losses and
-    parameters stay within 1e-6 of eager's, relative (fp32)."""
-    r = pools.run(_world(name), W.compare, name, "inductor", 20, donate=name == "zero3")[0]
+    parameters stay within 1e-6 of eager's, relative (fp32). Both steps donate."""
+    zero3 = name == "zero3"  # with donation: in-place writes into the state's buffers
+    r = pools.run(_world(name), W.compare, name, "inductor", 20, donate=True, code=zero3)[0]
     # FSDP+TP's GPT: AdamW turns rounding in the key projection's small gradients into
     # 8.4e-6 relative after 20 steps (losses within 1.3e-7).
     _check(r, 1e-5 if name == "fsdp_tp" else 1e-6)
-    if name == "zero3":  # donation: the new parameters live in the old buffers
+    if zero3:  # donation: the new parameters live in the old buffers
         assert r["in_place"] and r["old_state_dead"], r
+        # Inductor's code issues each collective ahead of its wait, with compute between
+        # (eager prefetches a unit ahead; a compiled step must not wait at once).
+        gaps = r["overlap"]["gaps"]
+        assert len(gaps) == r["n_comms"] and sum(g > 0 for g in gaps) >= len(gaps) - 2, r
 
 
 def test_a_hundred_steps_compile_once(pools):
