@@ -3,6 +3,12 @@
 Every model here is a tiny Llama saved in fp32 to a directory and loaded back quantized by
 ``from_pretrained(dir, quantization_config=..., device_map="cpu")``, then wrapped by peft's
 ``get_peft_model``: the bytes a rank holds are the bytes bitsandbytes produced.
+
+The references run in training mode, as a trainer runs them: ``from_pretrained`` returns a
+model in eval mode, and in eval mode (no grad on the input, a CPU with avx512_bf16)
+bitsandbytes' ``Linear4bit.forward`` repacks the weight in place into its CPU inference layout,
+which fails for layers narrower than 64 inputs (these tiny ones) and is not what a training
+step computes. None of these models has dropout, so training mode changes no value.
 """
 
 from __future__ import annotations
@@ -23,15 +29,17 @@ VOCAB = 96
 LR = 1e-2
 
 
-def bnb_config(quant_type: str = "nf4", double: bool = True) -> Any:
-    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double`` varied)."""
+def bnb_config(
+    quant_type: str = "nf4", double: bool = True, compute: torch.dtype = torch.bfloat16
+) -> Any:
+    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double``/``compute`` varied)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_use_double_quant=double,
         bnb_4bit_quant_type=quant_type,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=compute,
     )
 
 
@@ -48,22 +56,31 @@ def save_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
     return path
 
 
-def quantized(path: str, quant_type: str = "nf4", double: bool = True) -> nn.Module:
-    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes."""
+def quantized(
+    path: str, quant_type: str = "nf4", double: bool = True, compute: torch.dtype = torch.bfloat16
+) -> nn.Module:
+    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes, in training mode."""
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(
-            path, quantization_config=bnb_config(quant_type, double), device_map="cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(quant_type, double, compute), device_map="cpu"
         )
+    return model.train()
 
 
-def qlora(path: str, quant_type: str = "nf4", double: bool = True, seed: int = 1) -> nn.Module:
+def qlora(
+    path: str,
+    quant_type: str = "nf4",
+    double: bool = True,
+    seed: int = 1,
+    compute: torch.dtype = torch.bfloat16,
+) -> nn.Module:
     """peft LoRA (the seed's targets, r=8, alpha=16, no dropout) over the 4-bit model."""
     from peft import LoraConfig, get_peft_model
 
-    base = quantized(path, quant_type, double)
+    base = quantized(path, quant_type, double, compute)
     torch.manual_seed(seed)
     lora = LoraConfig(
         r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
@@ -78,10 +95,14 @@ def batches(steps: int, rows: int = 4, length: int = 9) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (rows, length), generator=g) for _ in range(steps)]
 
 
-def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
+def train_vs_peft(
+    path: str, quant_type: str, double: bool, steps: int, compute: torch.dtype = torch.bfloat16
+) -> dict:
     """``steps`` AdamW steps of ff.train_step on 2 gloo ranks (global batch split by rank) vs
-    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch."""
-    model, ref = qlora(path, quant_type, double), qlora(path, quant_type, double)
+    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch (both
+    computing the base in ``compute``, bnb_4bit_compute_dtype)."""
+    model = qlora(path, quant_type, double, compute=compute)
+    ref = qlora(path, quant_type, double, compute=compute)
     mesh = ff.make_mesh({"dp": 2})
     sm = ff.fsdp(model, mesh)
     opt = ff.adamw(LR, weight_decay=0.0)
@@ -126,6 +147,8 @@ def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
             out["rs_bytes"] = sum(r.bytes for r in comms.records if r.kind == "reduce_scatter")
         torch_opt.step()
         torch_opt.zero_grad()
+        if i == 0:
+            out["step1_loss_diff"] = abs(float(metrics["loss"]) - ref_loss.item())
         out["loss"].append(float(metrics["loss"]))
         out["ref_loss"].append(ref_loss.item())
     full = ff.gather(state.params)
@@ -222,6 +245,7 @@ def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = PeftModel.from_pretrained(quantized(path), adapter_dir)
+    loaded.train()  # peft loads an adapter in eval mode; see the module docstring
     out = {"adapter_logits_diff": (loaded(input_ids=x).logits - ours).abs().max().item()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -54,24 +54,47 @@ def test_simulated_shard_and_grad_of_a_4bit_peft_model(tiny_dir):
 
 
 @pytest.mark.parametrize(
-    "quant_type, double, steps",
-    [("nf4", True, 20), ("nf4", False, 2), ("fp4", True, 2), ("fp4", False, 2)],
+    "quant_type, double", [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)]
 )
-def test_gloo_qlora_matches_peft_bitsandbytes(pools, tiny_dir, quant_type, double, steps):
-    r = pools.run(2, W.train_vs_peft, tiny_dir, quant_type, double, steps)[0]
+def test_gloo_qlora_step_matches_peft_bitsandbytes(pools, tiny_dir, quant_type, double):
+    """The seed's BitsAndBytesConfig exactly (compute dtype bf16): the first step's loss and
+    adapter gradients, and the second step's loss."""
+    r = pools.run(2, W.train_vs_peft, tiny_dir, quant_type, double, 2)[0]
     assert r["base_dtypes"] == ["torch.uint8"] and not r["base_trainable"] and not r["mu_base"]
     assert r["base_bitwise"] and r["user_module_untouched"]
-    # Step-1 adapter gradients: measured 3e-7 (nf4) to 1.2e-5 (fp4) of gradients up to ~1.
-    assert r["grad_diff"] <= 1e-4 * max(1.0, r["grad_scale"]), r
-    # The base computes in bf16 (bnb_4bit_compute_dtype): a last-bit difference in an input
-    # (the adapters' fp32 updates, summed in another order over 2 ranks) can flip a bf16
-    # rounding (2**-8 relative) in the base's output; AdamW turns such differences in
-    # near-zero gradients into steps of up to lr. Measured over 20 steps at lr=1e-2: losses
-    # within 7.5e-4 (of 4.6), adapter values within 1.8e-2 (about 2 lr).
-    loss_diff = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"]))
-    print(f"loss_diff={loss_diff:.2e} param_diff={r['param_diff']:.2e} grad={r['grad_diff']:.2e}")
-    assert loss_diff <= 2e-3, (r["loss"], r["ref_loss"])
-    assert r["param_diff"] <= 3 * W.LR
+    print(f"step1 loss={r['step1_loss_diff']:.2e} grad={r['grad_diff']:.2e} loss={r['loss']}")
+    # Same quantized bytes and the same bitsandbytes kernel on every row, so the base's bf16
+    # outputs agree per row; what differs is the order of fp32 sums (each rank's half of the
+    # batch, then the mean over ranks), a few fp32 ulps of the loss (~4.6) and of gradients
+    # up to ~1. Measured: loss 0 to 1e-6, gradients 2e-8 to 2e-6.
+    assert r["step1_loss_diff"] <= 1e-5, r
+    assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_scale"]), r
+    # After one AdamW step (lr 1e-2, the first step moves every adapter value by about lr
+    # whatever its gradient's size) a last-bit difference in an adapter can flip a bf16
+    # rounding of the base's output (2**-8 relative): the second loss agrees to 1e-4.
+    assert abs(r["loss"][1] - r["ref_loss"][1]) <= 1e-4, r
+
+
+def test_gloo_qlora_20_adamw_steps_follow_peft_bitsandbytes(pools, tiny_dir):
+    """20 AdamW steps (lr 1e-2) with the base computing in fp32 (bnb_4bit_compute_dtype).
+
+    In bf16 the trajectory tests bf16 rounding, not the library: one flipped bf16 rounding in
+    the base's output becomes an AdamW step of ~lr on a near-zero gradient. Measured in one
+    process, the peft reference against itself with the batch summed in two halves drifts by
+    1.6e-3 (loss) and 1.1e-2 (adapters) in bf16, by 2.4e-5 and 1.0e-4 in fp32.
+    """
+    r = pools.run(2, W.train_vs_peft, tiny_dir, "nf4", True, 20, torch.float32)[0]
+    assert r["base_bitwise"] and r["user_module_untouched"]
+    diffs = [abs(a - b) for a, b in zip(r["loss"], r["ref_loss"])]
+    print(f"fp32: loss_diff={max(diffs):.2e} param_diff={r['param_diff']:.2e}")
+    # Both sides sum in another order (each rank's half of the batch, then the mean over
+    # ranks) and round AdamW differently (ff.adamw vs torch.optim.AdamW: alone, 1.1e-5 and
+    # 4.5e-5 in one process). Up to step 12 the losses agree to a few fp32 ulps (~1e-6 of
+    # 4.6); from step 13 on this trajectory amplifies any rounding (the references above drift
+    # from there too). Measured: losses within 1.2e-4, adapter values within 5.0e-4 (lr/20).
+    assert max(diffs[:10]) <= 1e-5, (r["loss"], r["ref_loss"])
+    assert max(diffs) <= 5e-4, (r["loss"], r["ref_loss"])
+    assert r["param_diff"] <= 2e-3, r
     # All-gather bytes of the base vs the same base in bf16 gathered twice (forward and the
     # regather in backward), ring bytes (n-1)/n = 1/2: (33 or 36 bytes per 64 values) / 128.
     bf16 = 2 * r["bf16_base_bytes"] / 2
