@@ -102,6 +102,88 @@ def test_gloo_qlora_20_adamw_steps_follow_peft_bitsandbytes(pools, tiny_dir):
     assert 0.25 < ratio <= 0.3, ratio
 
 
+# --------------------------------------------------------------------------- repacked for CPU
+
+
+def _repacked_pair(double: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two 4-bit layers (128 -> 64) from one weight, ``(standard, repacked)``: the second put
+    into bitsandbytes' CPU inference layout the way ``Linear4bit.forward`` does in eval mode
+    on a CPU with avx512_bf16, here called directly so that it happens on any CPU."""
+    import copy
+
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    repack = getattr(F, "_convert_weight_packed_for_cpu", None)
+    if repack is None or not hasattr(F, "_convert_weight_packed_for_cpu_inverse"):
+        pytest.skip("this bitsandbytes has no CPU inference repacking")
+    torch.manual_seed(3)
+    layer = bnb.nn.Linear4bit(
+        128, 64, bias=True, compute_dtype=torch.float32, compress_statistics=double
+    )
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(64, 128), requires_grad=False, compress_statistics=double, module=layer
+    )
+    layer = layer.to("cpu")  # quantized here
+    repacked = copy.deepcopy(layer)
+    w = repacked.weight
+    w.data, w.quant_state = repack(w.data, w.quant_state)
+    repacked.quant_state = w.quant_state
+    return layer, repacked
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_a_layer_repacked_for_cpu_inference_is_sharded_in_the_standard_layout(double):
+    """bitsandbytes repacked the layer in place (tiled codes, bf16 absmax); ff.fsdp reads it
+    back without changing it: the codes exactly; the absmax as the repacked layer holds it
+    (bf16 values), or, double-quantized, re-quantized as bitsandbytes restores it."""
+    import copy
+
+    import bitsandbytes.functional as F
+
+    standard, repacked = _repacked_pair(double)
+    w, qs = repacked.weight, repacked.weight.quant_state
+    assert qs.packing_format_for_cpu and qs.absmax.dtype == torch.bfloat16
+    before = (w.data.clone(), qs.absmax.clone(), copy.copy(qs.__dict__))
+    if double:  # bitsandbytes' own inverse, on a copy: the bytes it restores on save
+        packed, expected = F._convert_weight_packed_for_cpu_inverse(w.data, copy.deepcopy(qs))
+        assert not torch.equal(expected.absmax, standard.weight.quant_state.absmax)  # lossy
+    else:  # the original codes with the absmax rounded to bf16, as the repacked layer has it
+        sq = standard.weight.quant_state
+        packed, expected = standard.weight.data, copy.copy(sq)
+        expected.absmax = sq.absmax.to(torch.bfloat16).float()
+        assert not torch.equal(expected.absmax, sq.absmax)  # lossy: the repacking rounded it
+    ref = copy.deepcopy(standard).train()  # bitsandbytes' forward on the expected state
+    ref.weight.data, ref.weight.quant_state = packed, expected
+    ref.quant_state = expected
+    x = torch.randn(5, 128)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(torch.nn.Sequential(repacked), mesh)
+        y = ff.rank_values(sm.apply(sm.shard(), x))[0]
+    assert torch.equal(y, ref(x))
+    assert w.data is not None and torch.equal(w.data, before[0])  # the user's layer, as it was
+    assert repacked.weight.quant_state is qs and torch.equal(qs.absmax, before[1])
+    assert qs.__dict__.keys() == before[2].keys()
+    assert all(qs.__dict__[k] is v for k, v in before[2].items())
+
+
+def test_a_repacked_layer_without_the_inverse_is_refused_naming_it(monkeypatch):
+    import bitsandbytes.functional as F
+
+    _, repacked = _repacked_pair(True)
+    monkeypatch.delattr(F, "_convert_weight_packed_for_cpu_inverse")
+    with (
+        ff.simulated_mesh({"dp": 2}) as mesh,
+        pytest.raises(
+            ValueError,
+            match=r"^0 \(Linear4bit, \(64, 128\)\) was repacked by bitsandbytes for CPU "
+            r"inference .* Put the model in training mode \(model\.train\(\)\) before any "
+            r"forward, or load it again\.$",
+        ),
+    ):
+        ff.fsdp(torch.nn.Sequential(repacked), mesh)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -37,8 +37,9 @@ class Format(Protocol):
         """Raise a clear error for a layer of this family that is not supported."""
         ...
 
-    def storage(self, module: nn.Module) -> nn.Module:
-        """A shallow copy of ``module`` whose weight holds whole blocks, one per row."""
+    def storage(self, module: nn.Module, path: str) -> nn.Module:
+        """A shallow copy of ``module`` (at ``path``, for errors) whose weight holds whole
+        blocks, one per row. Never changes ``module``."""
         ...
 
     def load(
@@ -132,7 +133,7 @@ def storage_view(module: nn.Module, wrappers: Sequence[tuple[str, Any]] = ()) ->
         return module
     copies: dict[str, nn.Module] = {}
     for path, fmt in layers.items():
-        copies[path] = fmt.storage(_get(module, path))
+        copies[path] = fmt.storage(_get(module, path), path)
     return _rebuild(module, "", copies)
 
 

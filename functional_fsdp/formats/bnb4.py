@@ -15,10 +15,15 @@ one ``bnb.matmul_4bit`` calls), so outputs are bitwise those of the bitsandbytes
 backward dequantizes again with ``dequantize_4bit`` from the same rows (regathered by the
 engine after a reshard), as bitsandbytes' ``MatMul4Bit`` does. Nothing is saved but the
 packed rows, and the weight gets no gradient.
+
+A layer that bitsandbytes repacked for CPU inference (its first forward in eval mode, without
+gradients, on a CPU with avx512_bf16) is read back in the standard layout without changing
+the user's layer; :func:`standard_layout` says what of it is exact.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Callable, Collection
@@ -159,6 +164,50 @@ def state_of(quant_state: Any) -> State:
     )
 
 
+def standard_layout(packed: torch.Tensor, quant_state: Any, path: str) -> tuple[torch.Tensor, Any]:
+    """``(packed, QuantState)`` in bitsandbytes' standard layout, from a layer repacked for CPU
+    inference (``quant_state.packing_format_for_cpu``), leaving the layer as it is.
+
+    bitsandbytes repacks a ``Linear4bit`` in place on its first forward in eval mode without
+    gradients on a CPU with avx512_bf16: the 4-bit codes are reordered into tiles, the absmax
+    is transposed to ``[in / blocksize, out]`` and rounded to bfloat16, and a double-quantized
+    absmax is dequantized first. The inverse, bitsandbytes' own
+    ``_convert_weight_packed_for_cpu_inverse``, runs on a copy of the ``QuantState`` (it
+    rebinds the state's fields).
+
+    What is exact:
+
+    - the packed codes: the tiling is a permutation of nibbles, undone bitwise;
+    - without double quantization, the absmax: the bfloat16 values the repacked layer now
+      computes with, in float32. The float32 values from before the repacking are gone: the
+      layer differs from the one ``from_pretrained`` returned by that bfloat16 rounding (at
+      most 2**-9 relative per block);
+    - with double quantization, the absmax is quantized again to 8-bit codes with a new
+      offset, as bitsandbytes does when it saves the repacked layer or moves it to a GPU:
+      bitwise those bytes, but lossy twice (the bfloat16 rounding, then the 8-bit codes), so
+      neither the layer before the repacking nor the values the repacked layer computes with.
+
+    Raises:
+        ValueError: naming the layer, when this bitsandbytes has no inverse.
+    """
+    import bitsandbytes.functional as F
+
+    inverse = getattr(F, "_convert_weight_packed_for_cpu_inverse", None)
+    if inverse is None:
+        raise ValueError(
+            f"{path or 'the model'} (Linear4bit, {tuple(quant_state.shape)}) was repacked by "
+            f"bitsandbytes for CPU inference (its first forward ran in eval mode without "
+            f"gradients on a CPU with avx512_bf16), and this bitsandbytes cannot convert it "
+            f"back (no bitsandbytes.functional._convert_weight_packed_for_cpu_inverse). Put "
+            f"the model in training mode (model.train()) before any forward, or load it again."
+        )
+    packed, state = inverse(packed.detach(), copy.copy(quant_state))
+    if not state.nested:  # bitsandbytes 0.50 leaves this absmax transposed, in bfloat16
+        absmax = state.absmax
+        state.absmax = (absmax.T if absmax.dim() == 2 else absmax).reshape(-1).float()
+    return packed, state
+
+
 def nested_bytes(offset: torch.Tensor, nested_absmax: torch.Tensor) -> torch.Tensor:
     """``weight_nested``: the float32 offset and nested absmax, as uint8 bytes."""
     values = torch.cat([offset.reshape(1).float(), nested_absmax.reshape(-1).float()])
@@ -278,11 +327,12 @@ class Bnb4:
                 f"layer, which functional_fsdp cannot shard: {HELP_8BIT}"
             )
 
-    def storage(self, module: nn.Module) -> nn.Module:
-        """The storage copy. A quantized layer keeps its bytes; one on ``meta`` (e.g. from
-        ``replace_with_bnb_linear`` on a meta model) gets ``meta`` rows, to be loaded
-        shard-wise; an unquantized one with values is quantized here, as bitsandbytes would
-        when moving it to a device."""
+    def storage(self, module: nn.Module, path: str = "") -> nn.Module:
+        """The storage copy. A quantized layer keeps its bytes (read back in the standard
+        layout if bitsandbytes repacked it for CPU inference: :func:`standard_layout`); one
+        on ``meta`` (e.g. from ``replace_with_bnb_linear`` on a meta model) gets ``meta``
+        rows, to be loaded shard-wise; an unquantized one with values is quantized here, as
+        bitsandbytes would when moving it to a device."""
         import bitsandbytes.functional as F
 
         weight = module.weight
@@ -310,6 +360,10 @@ class Bnb4:
                 )
             else:
                 packed = weight.as_subclass(torch.Tensor).detach()
+                if getattr(qs, "packing_format_for_cpu", False):
+                    packed, qs = standard_layout(packed, qs, path)
+            if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage: the same bytes
+                packed = packed.contiguous().view(torch.uint8)
             state = state_of(qs)
             rows = pack_rows(packed, qs.absmax, state)
             nested = nested_bytes(qs.offset, qs.state2.absmax) if state.nested else None
