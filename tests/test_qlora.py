@@ -102,6 +102,26 @@ def test_gloo_qlora_20_adamw_steps_follow_peft_bitsandbytes(pools, tiny_dir):
     assert 0.25 < ratio <= 0.3, ratio
 
 
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float32])
+def test_a_4bit_layer_with_another_quant_storage_is_sharded_as_its_bytes(storage):
+    """bnb_4bit_quant_storage (the FSDP-QLoRA recipe's) only changes the packed bytes' dtype."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(4)
+    layer = bnb.nn.Linear4bit(128, 64, compute_dtype=torch.float32, quant_storage=storage)
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(64, 128), requires_grad=False, quant_storage=storage, module=layer
+    )
+    layer = layer.to("cpu").train()
+    x = torch.randn(3, 128)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sm = ff.fsdp(torch.nn.Sequential(layer), mesh)
+        params = sm.shard()
+        y = ff.rank_values(sm.apply(params, x))[0]
+    assert params["0.weight"].dtype == torch.uint8 and layer.weight.dtype == storage
+    assert torch.equal(y, layer(x))
+
+
 # --------------------------------------------------------------------------- repacked for CPU
 
 
