@@ -204,6 +204,20 @@ def test_a_repacked_layer_without_the_inverse_is_refused_naming_it(monkeypatch):
         ff.fsdp(torch.nn.Sequential(repacked), mesh)
 
 
+def test_only_the_formats_package_knows_a_formats_internals():
+    """The rest of the library asks formats/ (Format, Stored): a second format is one file."""
+    import pathlib
+
+    root = pathlib.Path(ff.__file__).parent
+    internals = ("_ff_state", "_nested", "absmax", "quant_state", "_ff_format")
+    found = {
+        str(f.relative_to(root)): [w for w in internals if w in f.read_text()]
+        for f in root.rglob("*.py")
+        if "formats" not in f.parts
+    }
+    assert {f: ws for f, ws in found.items() if ws} == {}
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -327,6 +327,13 @@ class Bnb4:
                 f"layer, which functional_fsdp cannot shard: {HELP_8BIT}"
             )
 
+    def dense(self, module: nn.Module) -> tuple[torch.Size, torch.dtype]:
+        state: State = module._ff_state  # type: ignore[assignment]
+        return state.shape, state.dtype
+
+    def saved_quantized(self, key: str, keys: Collection[str]) -> bool:
+        return key + ".absmax" in keys  # bitsandbytes' serialisation: weight.absmax, ...
+
     def storage(self, module: nn.Module, path: str = "") -> nn.Module:
         """The storage copy. A quantized layer keeps its bytes (read back in the standard
         layout if bitsandbytes repacked it for CPU inference: :func:`standard_layout`); one
@@ -392,7 +399,7 @@ class Bnb4:
         if name.endswith("_nested"):
             return {}  # made with the weight
         state: State = module._ff_state  # type: ignore[assignment]
-        if key + ".absmax" in keys:
+        if self.saved_quantized(key, keys):
             return load_saved(sm, name, state, key, keys, read)
         want = dtype or state.dtype
         return load_layer(sm, name, state, lambda a, b: read(key, a, b).to(want))
