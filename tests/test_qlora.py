@@ -280,6 +280,25 @@ def test_gloo_shardwise_quantized_load_is_bitwise_bitsandbytes(
         assert out["peak"] < out["whole_stored"], out
 
 
+def test_plan_prices_a_4bit_base_as_stored_with_its_code_tables(load_dir):
+    """ff.plan's bytes at rest: the packed blocks with their scales that ff.fsdp shards, and
+    the code tables every rank holds whole (counted once where layers share one)."""
+    model = W.qlora(load_dir)
+    model.config.use_cache = False  # the planner's shapes-only step keeps no KV cache
+    report = ff.plan(model, {"dp": 2})
+    tables = {
+        id(t): t.numel() * t.element_size()
+        for m in model.modules()
+        if type(m).__name__ == "Linear4bit"
+        for t in (m.weight.quant_state.code, m.weight.quant_state.state2.code)
+    }
+    assert sum(tables.values()) >= 64 + 1024  # a 4-bit table and an 8-bit one at least
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        params = ff.fsdp(model, mesh).shard()
+        shards = sum(v.layout.local_numel * v.dtype.itemsize for v in params.values())
+    assert report.param_bytes == shards + sum(tables.values())
+
+
 # --------------------------------------------------------------------------- export
 
 

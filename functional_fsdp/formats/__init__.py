@@ -61,6 +61,11 @@ class Format(Protocol):
         (this format's serialisation) rather than unquantized."""
         ...
 
+    def replicated(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        """What storage copy ``module`` holds whole on every rank besides its parameters
+        (code tables): part of its bytes at rest (see :func:`replicated_bytes`)."""
+        ...
+
     def storage(self, module: nn.Module, path: str) -> nn.Module:
         """A shallow copy of ``module`` (at ``path``, for errors) whose weight holds whole
         blocks, one per row. Never changes ``module``."""
@@ -134,6 +139,24 @@ def stored_param(module: nn.Module, name: str) -> Stored | None:
         return None
     fmt = getattr(layer, "_ff_format", None)
     return None if fmt is None else Stored(fmt, layer, attr)
+
+
+def replicated_bytes(module: nn.Module) -> int:
+    """Bytes every rank holds whole for the storage copies in ``module`` besides their
+    parameters (each tensor once: layers may share a code table).
+
+    Example:
+        >>> import torch
+        >>> replicated_bytes(torch.nn.Linear(2, 2))  # nothing quantized
+        0
+    """
+    seen: dict[int, int] = {}
+    for m in module.modules():
+        fmt = getattr(m, "_ff_format", None)
+        if fmt is not None:
+            for t in fmt.replicated(m):
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def quantized_layers(module: nn.Module) -> dict[str, Format]:
@@ -210,6 +233,7 @@ __all__ = [
     "Stored",
     "is_stored",
     "quantized_layers",
+    "replicated_bytes",
     "shallow_copy",
     "storage_view",
     "stored_param",

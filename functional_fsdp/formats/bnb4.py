@@ -8,7 +8,8 @@ block's packed bytes followed by its absmax's ``w`` bytes (4, or 1 when double-q
 Sharding rows over the data axes shards the blocks with their scales. With double quantization
 the copy has a second frozen uint8 parameter, ``weight_nested``: the float32 offset followed by
 the nested absmax (4 bytes per 256 blocks), sharded and gathered like any other. The two code
-tables (16 and 256 floats, the same for every layer) stay replicated on the copy.
+tables (16 and 256 floats, the same for every layer) stay replicated on the copy, and count
+in the bytes at rest (:func:`~functional_fsdp.formats.replicated_bytes`, ``ff.plan``).
 
 In forward, the gathered rows are split and fed to bitsandbytes' own ``gemm_4bit`` kernel (the
 one ``bnb.matmul_4bit`` calls), so outputs are bitwise those of the bitsandbytes layer; the
@@ -88,10 +89,9 @@ class State:
         """Bytes of ``weight_nested``: the offset and one nested absmax per 256 blocks."""
         return 4 * (1 + -(self.blocks // -256)) if self.nested else 0
 
-    def replicated_bytes(self) -> int:
-        """Bytes held whole on every rank: the code tables."""
-        parts = [self.code, self.nested_code]
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """What every rank holds whole: the code tables (64 bytes, and 1 KiB if nested)."""
+        return tuple(t for t in (self.code, self.nested_code) if t is not None)
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(packed [packed_len, 1] uint8, absmax [blocks])`` from gathered rows."""
@@ -333,6 +333,10 @@ class Bnb4:
 
     def saved_quantized(self, key: str, keys: Collection[str]) -> bool:
         return key + ".absmax" in keys  # bitsandbytes' serialisation: weight.absmax, ...
+
+    def replicated(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        state: State = module._ff_state  # type: ignore[assignment]
+        return state.tables()
 
     def storage(self, module: nn.Module, path: str = "") -> nn.Module:
         """The storage copy. A quantized layer keeps its bytes (read back in the standard

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
+from ..formats import replicated_bytes, storage_view
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import param_dtype_of
@@ -114,7 +115,9 @@ class PlanReport:
         data_axes: the axes that split the batch.
         params: parameter elements of the model (tied ones once).
         trainable: trainable parameter elements.
-        param_bytes: parameter shards at rest, padding included.
+        param_bytes: parameter shards at rest, padding included, and what a quantized base's
+            layers hold whole on every rank (code tables; a 4-bit base is priced as
+            :func:`~functional_fsdp.fsdp` stores it: packed blocks with their scales).
         padding_bytes: the padding part of ``param_bytes`` (beyond an exact share of each
             tensor over the axes that split it, rounded to a byte).
         grad_bytes: gradients of the trainable parameters, in their at-rest layout (ZeRO-2:
@@ -521,6 +524,7 @@ def _plan(
             f"ff.plan takes an nn.Module, got {type(model).__name__}: build the model (on "
             f"'meta' for big ones) and pass it, e.g. ff.plan(model, {{'dp': 8}})."
         )
+    model = storage_view(model)  # a quantized base as ff.fsdp stores it (formats/)
     sizes = _sizes_of(mesh)
     _run.check_no_process_group()
     mesh_str = format_mesh(sizes)
@@ -588,6 +592,7 @@ def _plan(
         for n in layouts
     )
     padding = param_bytes - round(exact)
+    param_bytes += replicated_bytes(model)  # a quantized base's code tables, on every rank
     opt_layouts = dict(layouts)
     if opt_specs is not None:
         tr = {n: module_params[n] for n in layouts if n in train}
