@@ -201,6 +201,97 @@ def train_vs_peft(
     return out
 
 
+# --------------------------------------------------------------------------- the seed recipe
+
+
+def seed_recipe_model(path: str, dropout: float) -> nn.Module:
+    """The seed recipe's lines, unmodified: the 4-bit load with its BitsAndBytesConfig,
+    ``gradient_checkpointing_enable()``, ``prepare_model_for_kbit_training``, and LoRA r=8,
+    alpha=16 on every projection with ``lora_dropout``; then ``train()``, as a trainer does."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(), device_map="cpu"
+        )
+        model.gradient_checkpointing_enable()
+        model = prepare_model_for_kbit_training(model)
+        torch.manual_seed(1)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=dropout)
+        model = get_peft_model(model, config)
+    return model.train()
+
+
+def seed_recipe(path: str, steps: int, dropout: float) -> dict:
+    """``steps`` AdamW steps of ff.train_step (engine 'auto', randomness 'global_batch') on
+    2 gloo ranks vs peft + bitsandbytes with torch.optim.AdamW in one process on the global
+    batch, drawing its dropout masks from the key the step uses for the global batch. The
+    first step's gradients are read where the optimizer receives them."""
+    model, ref = seed_recipe_model(path, dropout), seed_recipe_model(path, dropout)
+    sm = ff.fsdp(model, ff.make_mesh({"dp": 2}))
+    seen: list = []
+
+    def record(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        seen.append(updates)  # the gradients of this step, sharded
+        return updates, state
+
+    opt = ff.chain(ff.GradientTransformation(lambda p: (), record), ff.adamw(LR, weight_decay=0))
+    step = ff.train_step(
+        lambda p, b: sm.apply(p, input_ids=b, labels=b).loss,
+        opt,
+        model=sm,
+        randomness="global_batch",
+    )
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm, rng=7)
+    names = state.trainable
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+    )
+    theirs = dict(ref.named_parameters())
+    b = batches(1, rows=4)[0]  # one batch, again each step: the loss must fall
+    out: dict = {"loss": [], "ref_loss": [], "notices": []}
+    for i in range(steps):
+        with warnings.catch_warnings(record=True) as notices:
+            warnings.simplefilter("always")
+            state, metrics = step(state, b)
+        out["notices"] += [
+            str(w.message) for w in notices if issubclass(w.category, ff.AutogradFallbackWarning)
+        ]
+        with warnings.catch_warnings():  # the recipe's checkpointing leaves use_reentrant unset
+            warnings.filterwarnings("ignore", "torch.utils.checkpoint: the use_reentrant")
+            if i == 1:  # other masks give another loss (once lora_B, zero at first, is not)
+                with ff.seeded(ff.rng_key(8)), torch.no_grad():
+                    out["other_masks_loss"] = ref(input_ids=b, labels=b).loss.item()
+            with ff.seeded(ff.fold_in(ff.fold_in(ff.rng_key(7), i), 0)):  # step i, micro-batch 0
+                ref_loss = ref(input_ids=b, labels=b).loss
+                ref_loss.backward()
+        if i == 0:
+            grads = ff.gather(seen[0])
+            out["grad_diff"] = max((grads[k] - theirs[k].grad).abs().max().item() for k in names)
+            out["grad_scale"] = max(theirs[k].grad.abs().max().item() for k in names)
+        torch_opt.step()
+        torch_opt.zero_grad()
+        out["loss"].append(float(metrics["loss"]))
+        out["ref_loss"].append(ref_loss.item())
+    full = ff.gather(state.params)
+    out["param_diff"] = max((full[k] - theirs[k].detach()).abs().max().item() for k in names)
+    out["trainable"] = sorted(names)
+    out["dropout"] = sorted(
+        {
+            getattr(m, "p", 0.0)
+            for n, m in model.named_modules()
+            if n.endswith("lora_dropout.default")
+        }
+    )
+    out["checkpointing"] = model.get_base_model().is_activation_checkpointing
+    out["base_dtypes"] = sorted(
+        {str(v.dtype) for k, v in state.params.items() if k.endswith("base_layer.weight")}
+    )
+    return out
+
+
 # --------------------------------------------------------------------------- loading
 
 # Layers of 256 and 512 blocks: double quantization's nested absmax has 1 and 2 groups of 256.
