@@ -105,6 +105,35 @@ def test_gloo_qlora_20_adamw_steps_follow_peft_bitsandbytes(pools, tiny_dir):
     assert r["bf16_base_gather_bytes"] == 2 * r["bf16_base_bytes"] / 2, r
 
 
+@pytest.mark.parametrize("quant_type, double", [("nf4", True), ("fp4", False)])
+def test_the_storage_copys_backward_is_bitwise_bitsandbytes_in_bf16(quant_type, double):
+    """Quantized from fp32, computing in bf16: the storage copy dequantizes straight to bf16
+    in backward (one bf16 weight), bitsandbytes to fp32 then casts; the gradients are equal."""
+    import bitsandbytes as bnb
+
+    from functional_fsdp.formats import storage_view
+
+    torch.manual_seed(5)
+    layer = bnb.nn.Linear4bit(
+        128, 96, compute_dtype=torch.bfloat16, compress_statistics=double, quant_type=quant_type
+    )
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(96, 128), False, compress_statistics=double, quant_type=quant_type, module=layer
+    )
+    model = torch.nn.Sequential(layer.to("cpu").train())
+    stored = storage_view(model)
+    assert stored is not model and stored[0].weight.dtype == torch.uint8
+    x = torch.randn(4, 7, 128, requires_grad=True)
+    grads = []
+    for m in (model, stored):
+        y = m(x)
+        (gx,) = torch.autograd.grad(
+            y, x, torch.randn_like(y, generator=torch.Generator().manual_seed(6))
+        )
+        grads.append((y, gx))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float32])
 def test_a_4bit_layer_with_another_quant_storage_is_sharded_as_its_bytes(storage):
     """bnb_4bit_quant_storage (the FSDP-QLoRA recipe's) only changes the packed bytes' dtype."""

@@ -14,8 +14,12 @@ in the bytes at rest (:func:`~functional_fsdp.formats.replicated_bytes`, ``ff.pl
 In forward, the gathered rows are split and fed to bitsandbytes' own ``gemm_4bit`` kernel (the
 one ``bnb.matmul_4bit`` calls), so outputs are bitwise those of the bitsandbytes layer; the
 backward dequantizes again with ``dequantize_4bit`` from the same rows (regathered by the
-engine after a reshard), as bitsandbytes' ``MatMul4Bit`` does. Nothing is saved but the
-packed rows, and the weight gets no gradient.
+engine after a reshard), as bitsandbytes' ``MatMul4Bit`` does, but straight into the compute
+dtype (as bitsandbytes' forward kernel does) where ``MatMul4Bit`` dequantizes in the dtype the
+weight was quantized from and casts: one full weight of 2 bytes per value in a bf16 step, not
+4 + 2 for a base quantized from fp32. Its CPU kernel computes each value in fp32 and rounds
+once, so the gradients are bitwise bitsandbytes' (tested). Nothing is saved but the packed
+rows, and the weight gets no gradient.
 
 A layer that bitsandbytes repacked for CPU inference (its first forward in eval mode, without
 gradients, on a CPU with avx512_bf16) is read back in the standard layout without changing
@@ -101,9 +105,11 @@ class State:
         absmax = scales.reshape(-1) if self.nested else scales.view(torch.float32).reshape(-1)
         return packed, absmax
 
-    def quant_state(self, absmax: torch.Tensor, nested: torch.Tensor | None) -> Any:
+    def quant_state(
+        self, absmax: torch.Tensor, nested: torch.Tensor | None, dtype: torch.dtype | None = None
+    ) -> Any:
         """bitsandbytes' ``QuantState`` for this layer from gathered absmax and
-        ``weight_nested`` bytes."""
+        ``weight_nested`` bytes (dequantizing to ``dtype``, default :attr:`dtype`)."""
         from bitsandbytes.functional import QuantState
 
         state2 = offset = None
@@ -119,17 +125,20 @@ class State:
             code=self.code,
             blocksize=self.blocksize,
             quant_type=self.quant_type,
-            dtype=self.dtype,
+            dtype=dtype or self.dtype,
             offset=offset,
             state2=state2,
         )
 
-    def dequantize(self, rows: torch.Tensor, nested: torch.Tensor | None) -> torch.Tensor:
-        """The full weight from gathered rows, with bitsandbytes' ``dequantize_4bit``."""
+    def dequantize(
+        self, rows: torch.Tensor, nested: torch.Tensor | None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The full weight from gathered rows, with bitsandbytes' ``dequantize_4bit``, in
+        ``dtype`` (default :attr:`dtype`)."""
         import bitsandbytes.functional as F
 
         packed, absmax = self.split(rows)
-        return F.dequantize_4bit(packed, self.quant_state(absmax, nested))
+        return F.dequantize_4bit(packed, self.quant_state(absmax, nested, dtype))
 
 
 def pack_rows(packed: torch.Tensor, absmax: torch.Tensor, state: State) -> torch.Tensor:
@@ -259,8 +268,8 @@ class _Matmul4bit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         rows, nested = ctx.saved_tensors
         grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad, ctx.state.dequantize(rows, nested).to(grad.dtype))
+        if ctx.needs_input_grad[0]:  # dequantized straight to the compute dtype: see above
+            grad_x = torch.matmul(grad, ctx.state.dequantize(rows, nested, grad.dtype))
         if ctx.needs_input_grad[3]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
         return grad_x, None, None, grad_bias, None
