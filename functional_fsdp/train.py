@@ -35,15 +35,10 @@ from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
 from .optim.clipping import global_norm
-from .optim.masters import MasterWeightsState, param_dtype_of
+from .optim.masters import MasterWeightsState
+from .optim.records import metrics_of
 from .optim.schedules import Schedule
-from .optim.transforms import (
-    GradientTransformation,
-    apply_updates,
-    call_update,
-    learning_rate_fn,
-    report_fn,
-)
+from .optim.transforms import GradientTransformation, apply_updates, call_update
 from .resharding import reshard, resolve_specs
 from .sharded import Sharded
 from .spec import P, format_mesh
@@ -182,10 +177,9 @@ class TrainState:
             train = reshard(train, restrict_specs(opt_specs, train))
             layout = _layout_of(train)
         opt_state = optimizer.init(train)
-        dtype = param_dtype_of(optimizer)
-        if dtype is not None:  # master_weights: the trainable params in the compute dtype
+        if isinstance(opt_state, MasterWeightsState):  # the trainable params in its dtype
             split = _Split(params, names)
-            params = split.full([_cast(x, dtype) for x in split.train_leaves])
+            params = split.full([_cast(x, opt_state.param_dtype) for x in split.train_leaves])
         return TrainState(params, opt_state, 0, names, opt_specs=layout, rng=_as_key(rng))
 
     @property
@@ -592,11 +586,11 @@ def train_step(
     ``model=`` given, a state created without ``trainable=`` for a module that has
     ``requires_grad=False`` parameters raises instead of training them.
 
-    Failures. An exception inside a step (from ``loss_fn``, a bad batch, a schedule, a
-    collective) leaves the input state intact and usable. With ``donate=True`` the input
-    state is marked dead just before the update writes into it, so an exception during the
-    update makes its reuse raise :class:`DonatedStateError` rather than hand back half an
-    update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
+    Failures. An exception inside a step (from ``loss_fn``, a bad batch, a collective)
+    leaves the input state intact and usable. With ``donate=True`` the input state is marked
+    dead just before the update writes into it, so an exception during the update (a
+    learning-rate schedule runs there, inside the optimizer) makes its reuse raise
+    :class:`DonatedStateError` rather than hand back half an update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
     :func:`~functional_fsdp.apply_if_finite`: the step passes it ``finite=`` (no extra
     collective) and the decision stays on the device. An optimizer that is a
     :class:`~functional_fsdp.GradientTransformationExtraArgs` (every built-in one) also gets
@@ -628,8 +622,9 @@ def train_step(
             optimizer shards during the backward) or ZeRO-1 (``"local"``: full gradients,
             reduce-scattered once), then one all-gather of the updated parameters: DDP's bytes.
         learning_rate: the schedule (or constant) to report as ``metrics["lr"]``. ``None``:
-            the optimizer's own learning rate (see :func:`~functional_fsdp.learning_rate_of`),
-            so a schedule is given once, to the optimizer.
+            the rate the optimizer's new state records for this update (see
+            :func:`~functional_fsdp.learning_rate_of`), so a schedule is given once, to the
+            optimizer.
         donate: update the state's tensors in place; the input state is dead afterwards and
             using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
             parameters are never written: the new state shares them.
@@ -660,7 +655,10 @@ def train_step(
         ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
         ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
-        and ``nonfinite_steps`` (so far). Values are tensors on the device, never read back
+        and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
+        what the new optimizer state records (``optim/records.py``: a state class lists
+        them in ``METRICS``; a skipped update keeps the previous record, so its ``lr`` is the
+        rate of the last update applied). Values are tensors on the device, never read back
         (no host sync); on a simulated mesh, where they are the same on every rank, they are
         plain tensors that format as numbers (``f"{metrics['loss']:.3f}"``).
 
@@ -718,8 +716,6 @@ def train_step(
             "(needed for batch='global' and accumulate_mode='local')."
         )
     differentiate = Differentiator(engine, None if model is None else model.module)
-
-    rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
 
     def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
         return lambda i: _micro_batch_stream(key, i, model, randomness)
@@ -829,12 +825,9 @@ def train_step(
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
         finite = torch.isfinite(loss) & torch.isfinite(norm)
-        # The rate this update applies, read before anything is written: a schedule that
-        # raises here leaves even a donated state intact.
+        given_lr = None  # train_step(learning_rate=...): computed before anything is written
         if learning_rate is not None:
-            lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        else:
-            lr = rate_of(opt_state) if rate_of is not None else float("nan")
+            given_lr = learning_rate(count) if callable(learning_rate) else learning_rate
         if donate:  # dead before the first in-place write: a failure below cannot be retried
             state._donated_at = count
         # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
@@ -875,9 +868,17 @@ def train_step(
             opt_specs=state.opt_specs,
             rng=base_key,
         )
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
-        if report is not None:
-            metrics.update(report(new_opt_state))
+        # What the optimizer state records about this update (the learning rate it applied,
+        # apply_if_finite's skips): read from the new state, copied if the next donated step
+        # would write into it.
+        records = {
+            k: v.clone() if donate and isinstance(v, torch.Tensor) else v
+            for k, v in metrics_of(new_opt_state).items()
+        }
+        lr = records.pop("lr", float("nan"))
+        if given_lr is not None:
+            lr = given_lr
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step

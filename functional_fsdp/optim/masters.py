@@ -10,10 +10,11 @@ the masters with fp32 gradients; the new parameters are the masters cast to the 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
+from optree import dataclasses as optree_dataclasses
 
 from .._tree import NAMESPACE
 from ._tree import check_tensor_tree, local_leaves
@@ -23,30 +24,29 @@ from .transforms import (
     OptState,
     Params,
     Updates,
-    _with_learning_rate,
-    _with_report,
     call_update,
-    learning_rate_fn,
-    report_fn,
     without,
 )
 
-_PARAM_DTYPE = "_ff_param_dtype"
 
-
-class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`.
+@optree_dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class MasterWeightsState:
+    """State of :func:`master_weights`: the masters, the inner optimizer's state, and the
+    dtype the parameters are kept in (static: part of the tree's structure, not a leaf, so
+    checkpoints hold ``master.<name>`` and ``inner...`` only).
 
     Example:
         >>> import torch, functional_fsdp as ff
         >>> opt = ff.master_weights(ff.sgd(0.1), param_dtype=torch.bfloat16)
         >>> state = opt.init({"w": torch.ones(2)})
-        >>> state.master["w"].dtype
-        torch.float32
+        >>> state.master["w"].dtype, state.param_dtype
+        (torch.float32, torch.bfloat16)
     """
 
     master: Any  # like the params, in the master dtype (fp32), in the optimizer's layout
     inner: Any  # the inner optimizer's state, built on the masters
+    # the dtype TrainState.create casts the trainable parameters to (static: not a leaf)
+    param_dtype: torch.dtype = optree_dataclasses.field(default=torch.bfloat16, pytree_node=False)
 
 
 def _cast(tree: Any, dtype: torch.dtype, copy: bool = False) -> Any:
@@ -110,7 +110,7 @@ def master_weights(
     def init(params: Params) -> MasterWeightsState:
         check_tensor_tree(params, "master_weights.init")
         master = _cast(params, master_dtype, copy=True)  # own copies, never the params
-        return MasterWeightsState(master, optimizer.init(master))
+        return MasterWeightsState(master, optimizer.init(master), param_dtype)
 
     def update(
         updates: Updates, state: OptState, params: Params | None = None, **kwargs: Any
@@ -136,19 +136,6 @@ def master_weights(
             p, p_def = local_leaves(params)
             cast = [x.to(y.dtype) for x, y in zip(local_leaves(new_master)[0], p)]
             out = optree.tree_unflatten(p_def, torch._foreach_sub(cast, p))
-        return out, MasterWeightsState(new_master, inner)
+        return out, MasterWeightsState(new_master, inner, param_dtype)
 
-    out = GradientTransformationExtraArgs(init, update)
-    setattr(out.update, _PARAM_DTYPE, param_dtype)
-    rate = learning_rate_fn(optimizer)
-    if rate is not None:
-        _with_learning_rate(out, lambda state: rate(state.inner))
-    report = report_fn(optimizer)
-    if report is not None:
-        _with_report(out, lambda state: report(state.inner))
-    return out
-
-
-def param_dtype_of(optimizer: GradientTransformation) -> torch.dtype | None:
-    """The dtype :func:`master_weights` keeps parameters in (``None`` for other optimizers)."""
-    return getattr(optimizer.update, _PARAM_DTYPE, None)
+    return GradientTransformationExtraArgs(init, update)

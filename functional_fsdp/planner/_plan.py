@@ -40,7 +40,7 @@ from torch import nn
 from .._tree import NAMESPACE
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
-from ..optim.masters import param_dtype_of
+from ..optim.masters import MasterWeightsState
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -315,15 +315,20 @@ def _optimizer(opt: OptimizerArg) -> GradientTransformation | None:
     return makers[opt]()
 
 
-def _state_bytes(optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]) -> int:
+def _state_bytes(
+    optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]
+) -> tuple[int, torch.dtype | None]:
+    """The bytes of ``optimizer``'s state on ``shards`` (``meta``), and the dtype its
+    :func:`~functional_fsdp.master_weights` state keeps the parameters in (else ``None``)."""
     if optimizer is None or not shards:
-        return 0
+        return 0, None
     state = optimizer.init(shards)
-    return sum(
+    nbytes = sum(
         t.numel() * t.element_size()
         for t in optree.tree_leaves(state, namespace=NAMESPACE)
         if isinstance(t, torch.Tensor)
     )
+    return nbytes, state.param_dtype if isinstance(state, MasterWeightsState) else None
 
 
 def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: tuple[str, ...]):
@@ -573,7 +578,22 @@ def _plan(
         for n, lay, dt in zip(up.names, up.layouts, up.dtypes):
             layouts[n], dtypes[n] = lay, dt
     opt = _optimizer(optimizer)
-    kept = param_dtype_of(opt) if opt is not None else None  # master_weights' param dtype
+    opt_layouts = dict(layouts)
+    if opt_specs is not None:
+        tr = {n: module_params[n] for n in layouts if n in train}
+        tpaths = optree.tree_paths(tr, none_is_leaf=True)  # type: ignore[arg-type]
+        ospecs = dict(zip((p[0] for p in tpaths), resolve_specs(tr, opt_specs)))
+        opt_layouts = {n: Layout.make(layouts[n].global_shape, ospecs[n] or P(), sizes) for n in tr}
+    shards = {
+        n: torch.empty(opt_layouts[n].local_shape, dtype=dtypes[n], device="meta")
+        for n in layouts
+        if n in train
+    }
+    opt_state_bytes, kept = _memo(  # kept: master_weights' param dtype, read off its state
+        memo,
+        ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
+        lambda: _state_bytes(opt, shards),
+    )
     rest = {
         n: kept if kept is not None and n in train and dt.is_floating_point else dt
         for n, dt in dtypes.items()
@@ -588,22 +608,6 @@ def _plan(
         for n in layouts
     )
     padding = param_bytes - round(exact)
-    opt_layouts = dict(layouts)
-    if opt_specs is not None:
-        tr = {n: module_params[n] for n in layouts if n in train}
-        tpaths = optree.tree_paths(tr, none_is_leaf=True)  # type: ignore[arg-type]
-        ospecs = dict(zip((p[0] for p in tpaths), resolve_specs(tr, opt_specs)))
-        opt_layouts = {n: Layout.make(layouts[n].global_shape, ospecs[n] or P(), sizes) for n in tr}
-    shards = {
-        n: torch.empty(opt_layouts[n].local_shape, dtype=dtypes[n], device="meta")
-        for n in layouts
-        if n in train
-    }
-    opt_state_bytes = _memo(
-        memo,
-        ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
-        lambda: _state_bytes(opt, shards),
-    )
     data_set = set(data_axes)
     zero = (
         opt_specs is not None
