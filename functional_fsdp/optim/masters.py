@@ -18,6 +18,7 @@ from optree import dataclasses as optree_dataclasses
 
 from .._tree import NAMESPACE
 from ._tree import check_tensor_tree, local_leaves
+from .clipping import norm_dtype
 from .transforms import (
     GradientTransformation,
     GradientTransformationExtraArgs,
@@ -56,6 +57,25 @@ def _cast(tree: Any, dtype: torch.dtype, copy: bool = False) -> Any:
         return t
 
     return optree.tree_map(cast, tree, namespace=NAMESPACE)
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly a ``dst`` value (a float cast that loses nothing)."""
+    if src == dst:
+        return True
+    finfo_src, finfo_dst = torch.finfo(src), torch.finfo(dst)
+    return finfo_dst.bits > finfo_src.bits and (
+        finfo_dst.eps <= finfo_src.eps and finfo_dst.max >= finfo_src.max
+    )
+
+
+def _same_norm(updates: Updates, master_dtype: torch.dtype) -> bool:
+    """Whether :func:`global_norm` of ``updates`` and of ``updates`` cast to ``master_dtype``
+    are one number: the same values (an exact cast) summed in the same dtype."""
+    dtypes = {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
+    return all(_widens(d, master_dtype) for d in dtypes) and norm_dtype(dtypes) == norm_dtype(
+        [master_dtype]
+    )
 
 
 def master_weights(
@@ -121,11 +141,12 @@ def master_weights(
                 f"its init() returned (a MasterWeightsState)."
             )
         grads = _cast(updates, master_dtype)
-        # The inner optimizer gets the gradients cast to the master dtype, whose norm need not
-        # be ``grad_norm`` bit for bit: it computes its own.
-        inner_updates, inner = call_update(
-            optimizer, grads, state.inner, state.master, without(kwargs)
-        )
+        # The inner optimizer gets the gradients cast to the master dtype. Their norm is
+        # ``grad_norm`` when the cast is exact and the norm is computed in the same dtype
+        # (bf16/fp16 gradients, fp32 masters): then it is passed on, and a clip inside costs
+        # no second all-reduce. Otherwise the inner optimizer computes its own.
+        extra = kwargs if _same_norm(updates, master_dtype) else without(kwargs)
+        inner_updates, inner = call_update(optimizer, grads, state.inner, state.master, extra)
         m, treedef = local_leaves(state.master)
         new_master = optree.tree_unflatten(
             treedef, torch._foreach_add(m, local_leaves(inner_updates)[0])
