@@ -29,7 +29,7 @@ from .distributed import collectives as C
 from .distributed import process
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
-from .fsdp import runtime
+from .fsdp import step_inputs
 from .fsdp.api import FSDP
 from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
@@ -160,7 +160,7 @@ class TrainState:
         _check_optimizer(optimizer, "TrainState.create")
         names = None
         if trainable is None:
-            _check_no_frozen_shards(params)
+            _refuse_frozen("TrainState.create", marked_frozen(params), "shards")
         else:
             names = trainable_names(params, trainable, "TrainState.create")
             if not names:
@@ -272,19 +272,32 @@ def _check_optimizer(optimizer: Any, where: str) -> None:
     )
 
 
-def _check_no_frozen_shards(params: Any) -> None:
-    """Without ``trainable=``, refuse shards of frozen parameters: the first step would."""
-    frozen = marked_frozen(params)
-    if frozen:
-        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
-        raise ValueError(
-            f"TrainState.create: params[{frozen[0]!r}]{more} {'are' if more else 'is'} "
-            f"the shard{'s' if more else ''} of frozen parameters "
-            f"(requires_grad=False) of the module ff.fsdp sharded, but trainable= was not "
-            f"given, so they would get gradients, optimizer state and updates. Write "
-            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
-            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
+def _refuse_frozen(where: str, frozen: list[str], seen_in: Literal["shards", "module"]) -> None:
+    """The rule: a state created without ``trainable=`` trains every parameter, so frozen
+    ones (``requires_grad=False`` in the module, :func:`module_trainable`) are refused unless
+    ``trainable=`` says so. Checked where it is first known: at ``TrainState.create`` from
+    the shards the library made for the module (``mark_frozen``), at the step from the
+    module itself."""
+    if not frozen:
+        return
+    more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
+    if seen_in == "shards":
+        what = (
+            f"params[{frozen[0]!r}]{more} {'are' if more else 'is'} the shard"
+            f"{'s' if more else ''} of frozen parameters (requires_grad=False) of the module "
+            f"ff.fsdp sharded, but trainable= was not given"
         )
+    else:
+        what = (
+            f"the module has frozen parameters (requires_grad=False), e.g. {frozen[0]!r}{more}, "
+            f"but the TrainState was created without trainable="
+        )
+    raise ValueError(
+        f"{where}: {what}, so they would get gradients, optimizer state and updates. Create "
+        f"the state with ff.TrainState.create(params, optimizer, trainable=sharded_model) to "
+        f"keep them frozen (or trainable=lambda path, p: True to train every parameter on "
+        f"purpose)."
+    )
 
 
 def _as_key(rng: int | torch.Tensor | None) -> torch.Tensor | None:
@@ -539,19 +552,9 @@ def _frozen_module_params(model: FSDP) -> list[str]:
 def _check_all_trainable(model: FSDP, params: Any) -> None:
     """The default path must not train a module's frozen parameters without being told."""
     frozen = _frozen_module_params(model)
-    if not frozen:
-        return
-    present = set(names_of(params))
-    frozen = [n for n in frozen if n in present]
     if frozen:
-        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
-        raise ValueError(
-            f"train_step: the module has frozen parameters (requires_grad=False), e.g. "
-            f"{frozen[0]!r}{more}, but the TrainState was created without trainable=, so "
-            f"they would get gradients, optimizer state and updates. Create the state with "
-            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
-            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
-        )
+        present = set(names_of(params))
+        _refuse_frozen("train_step", [n for n in frozen if n in present], "module")
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -736,10 +739,13 @@ def train_step(
             train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            return _check_loss(loss_fn(split.full(t, base), b))
+            if pullback is None:
+                return _check_loss(loss_fn(split.full(t, base), b))
+            # Gathered over the data axes already: the pullback reduces the gradients once.
+            with step_inputs.given(model, reduce=False):
+                return _check_loss(loss_fn(split.full(t, base), b))
 
-        with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
+        total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
         if pullback is not None:
             (total,) = pullback(total)
         return total, loss
@@ -760,15 +766,17 @@ def train_step(
         micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            return _check_loss(loss_fn(split.full(t), b))
+            if accumulate_mode == "local":  # full gradients, reduce-scattered once below
+                inputs = step_inputs.given(zero_model, reduce=False)
+            else:  # the shards being differentiated, as apply will see them: their replicas
+                inputs = step_inputs.given(
+                    zero_model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
+                )
+            with inputs:
+                return _check_loss(loss_fn(split.full(t), b))
 
-        if accumulate_mode == "local":
-            wrt, scope = replicas, zero_model.no_sync()
-        else:
-            wrt = shards
-            scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
-        with scope:
-            total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
+        wrt = replicas if accumulate_mode == "local" else shards
+        total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
         if accumulate_mode == "local":
             names = [name for name, _ in layout]
             total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)

@@ -24,7 +24,6 @@ at every step of this; ``count_comms`` shows the collectives.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import fnmatch
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -43,7 +42,7 @@ from ..formats import storage_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
 from ..spec import P, did_you_mean, format_mesh
-from . import runtime
+from . import runtime, step_inputs
 from .layout import ModelLayout, model_layout
 from .materialize import init_sharded
 from .policy import (
@@ -56,11 +55,6 @@ from .policy import (
 )
 
 TrainableArg = Collection[str] | Callable[[str], bool] | None
-
-# FSDP objects inside their no_sync() block, in this thread / task (read once per apply).
-_UNSYNCED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "functional_fsdp_unsynced", default=frozenset()
-)
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,9 +154,10 @@ class FSDP:
 
         Equivalent to ``Policy(grad_reduce="none")`` for the calls made inside the block (in
         this thread or task only; nothing is stored on the object). For gradient
-        accumulation with parameters already gathered over the data axes
-        (``train_step(accumulate_mode="local")`` does this): each rank's gradients stay
-        local until the caller reduces them once. Differentiated parameters still sharded
+        accumulation with parameters already gathered over the data axes: each rank's
+        gradients stay local until the caller reduces them once (what
+        ``train_step(accumulate_mode="local")`` does, through the same per-step inputs,
+        :mod:`functional_fsdp.fsdp.step_inputs`). Differentiated parameters still sharded
         over a data axis raise, since their gradient could not be returned unreduced.
 
         Example:
@@ -176,11 +171,8 @@ class FSDP:
             ...     comms.count()
             0
         """
-        token = _UNSYNCED.set(_UNSYNCED.get() | {id(self)})
-        try:
+        with step_inputs.given(self, reduce=False):
             yield
-        finally:
-            _UNSYNCED.reset(token)
 
     def param_specs(self) -> dict[str, P]:
         """``{parameter name: P}`` for the module's parameters (tied ones once)."""
@@ -239,8 +231,9 @@ class FSDP:
         skips a unit must agree on every rank (its collectives are skipped too).
         """
         plan = self._plan_for(params)
+        given = step_inputs.inputs_for(self)  # what a train_step tells this call, if any
         policy = self.policy
-        if id(self) in _UNSYNCED.get():
+        if not given.reduce:
             policy = dataclasses.replace(policy, grad_reduce="none")
         if self._complex and policy.grad_reduce != "none":
             self._check_complex(params)
@@ -256,6 +249,7 @@ class FSDP:
             args,
             kwargs,
             buffers,
+            replicas=given.replicas,
         )
 
     def _plan_for(self, params: Any) -> ModelLayout:

@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._buckets import issue_gather, pack_grads, unpack_gathered, unpack_reduced
 from ..distributed import checks
 from ..distributed import collectives as C
+from ..distributed.axes import mesh_device
+from ..distributed.simulate import is_simulated
 from .gradients import mean_divisor
 from .layout import ModelLayout, Round, UnitLayout, gather_dtype
 from .memory import EventKind, MemoryTracker, Phase
@@ -47,6 +49,29 @@ class Context:
     trackers: tuple[MemoryTracker, ...]
     simulated: bool
     device: torch.device  # where units are gathered and computed (the mesh's device)
+
+    @classmethod
+    def for_call(
+        cls,
+        mesh: DeviceMesh,
+        sizes: dict[str, int],
+        policy: Policy,
+        data_axes: tuple[str, ...],
+        *,
+        trackers: tuple[MemoryTracker, ...] = (),
+    ) -> Context:
+        """The context of a call starting now: the ``count_comms`` blocks open here record
+        its collectives; ``trackers`` (``track_memory``) its units' gathered memory."""
+        return cls(
+            mesh=mesh,
+            sizes=sizes,
+            policy=policy,
+            data_axes=data_axes,
+            counters=C.active_counters(),
+            trackers=trackers,
+            simulated=is_simulated(),
+            device=mesh_device(mesh),
+        )
 
     @property
     def sync(self) -> bool:
@@ -392,7 +417,9 @@ class CallState:
     * ``calls``: the unit invocations in forward order, with their gathered tensors (freed
       after forward, gathered again before backward);
     * ``in_flight``: the reduce-scatters left in flight during the backward;
-    * ``prefetched_upto``: how far down the module order forward all-gathers were issued.
+    * ``prefetched_upto``: how far down the module order forward all-gathers were issued;
+    * ``checkpointing``: how deep the call is inside units the policy checkpoints (their
+      forward or recompute), where Hugging Face's own checkpointing runs layers plainly.
 
     The interpreter creates it per call and drives it (gathers through the engine's autograd
     functions, prefetches, hooks); the autograd functions reach the :class:`Call` and
@@ -420,6 +447,7 @@ class CallState:
         self.calls: list[Call] = []  # this call's unit invocations, in order
         self.position = {name: i for i, name in enumerate(plan.order)}
         self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
+        self.checkpointing = 0  # inside how many checkpointed units (forward or recompute)
 
     def differentiated_shards(self) -> list[torch.Tensor]:
         """The shards that require grad, in unit order (what the reduce fence covers)."""
@@ -478,11 +506,12 @@ class CallState:
 
 
 def _use_replicas(unit: Unit, known: Mapping[int, torch.Tensor]) -> None:
-    """Give ``unit`` the replicas of its gathered parameters, if every one has one."""
+    """Give ``unit`` the replicas of its gathered parameters, if every one has one (known by
+    the id of the local shard, as the call received it)."""
     gathered = {p.index for rnd in unit.plan.rounds for p in rnd.pieces}
     if not gathered:
         return
-    found = [known.get(id(_plain(s))) for s in unit.shards]
+    found = [known.get(id(s)) for s in unit.shards]
     if all(found[i] is not None for i in gathered):
         unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
 
