@@ -27,6 +27,7 @@ from ._partition import marked_frozen, module_trainable, names_of, partition, tr
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .distributed import collectives as C
 from .distributed import process
+from .distributed.axes import data_axes_of
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import step_inputs
@@ -449,18 +450,12 @@ def local_batch(
         if data_axes is None:
             data_axes = model.data_axes
     check_mesh(mesh, where)
-    names = tuple(axis_sizes(mesh))
-    if data_axes is None:
-        data_axes = tuple(a for a in names if a != "tp")
-    elif isinstance(data_axes, str):
-        data_axes = (data_axes,)
-    unknown = [a for a in data_axes if a not in names]
-    if unknown:
-        raise ValueError(
-            f"{where}: data axis {unknown[0]!r} is not an axis of the mesh "
-            f"{format_mesh(axis_sizes(mesh))}; pass data_axes from {names}, or the FSDP model "
-            f"itself (ff.local_batch(batch, sharded_model)) to use its data axes."
-        )
+    data_axes = data_axes_of(
+        mesh,
+        data_axes,
+        where,
+        hint=", or pass the FSDP model itself (ff.local_batch(batch, sharded_model))",
+    )
     sizes = axis_sizes(mesh)
     n = math.prod(sizes[a] for a in data_axes)
     leaves, treedef = optree.tree_flatten(batch)

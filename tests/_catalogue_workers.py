@@ -777,8 +777,8 @@ CASES: list[Case] = [
         "gather({'a': on mesh [0, 1], 'b': on mesh [1, 0]})",
         ValueError,
         (
-            "gather() got values on different meshes: ['a'] is on Mesh(dp=2) [0, 1] but ['b'] "
-            "is on Mesh(dp=2) [1, 0]",
+            "gather() got values on different meshes: ['a'] is on Mesh(dp=2) over ranks [0, 1] "
+            "but ['b'] is on Mesh(dp=2) over ranks [1, 0]",
             "reshard the values onto one mesh first",
         ),
         _gather_two_meshes,
@@ -825,8 +825,8 @@ CASES: list[Case] = [
         "fsdp(model, mesh, data_axes=('db',))",
         ValueError,
         (
-            "ff.fsdp(data_axes=('db',)): 'db' is not an axis of Mesh(dp=2) (did you mean 'dp'?)",
-            "some of ('dp',)",
+            "ff.fsdp(data_axes=('db',)): the mesh Mesh(dp=2) has no axis 'db' (did you mean 'dp'?)",
+            "name the mesh axes that split the batch, some of ('dp',)",
         ),
         lambda ctx: ff.fsdp(mlp(), ctx.mesh, data_axes=("db",)),
     ),
@@ -1218,7 +1218,11 @@ CASES: list[Case] = [
         "local_batch_unknown_axis",
         "ff.local_batch(batch, mesh, data_axes='pd')",
         ValueError,
-        ("ff.local_batch: data axis 'pd' is not an axis of the mesh Mesh(dp=2)",),
+        (
+            "ff.local_batch(data_axes=('pd',)): the mesh Mesh(dp=2) has no axis 'pd' (did you "
+            "mean 'dp'?)",
+            "or pass the FSDP model itself (ff.local_batch(batch, sharded_model))",
+        ),
         lambda ctx: ff.local_batch(torch.ones(2, 8), ctx.mesh, data_axes="pd"),
     ),
     Case(

@@ -36,12 +36,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._partition import mark_frozen
-from ..distributed.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
+from ..distributed.axes import data_axes_of, same_mesh
+from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import is_shapes_only
 from ..formats import storage_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
-from ..spec import P, did_you_mean, format_mesh
+from ..spec import P, format_mesh
 from . import runtime, step_inputs
 from .layout import ModelLayout, model_layout
 from .materialize import init_sharded
@@ -279,7 +280,7 @@ class FSDP:
                     f"FSDP.apply takes Sharded values (use FSDP.shard(), or "
                     f"ff.shard(params, mesh, P()) to replicate)."
                 )
-            if v.mesh is not self.mesh and v.mesh != self.mesh:
+            if not same_mesh(v.mesh, self.mesh):
                 raise ValueError(
                     f"params[{name!r}] lives on {describe_mesh(v.mesh)}, but this FSDP runs on "
                     f"{describe_mesh(self.mesh)}. Shard the parameters on this FSDP's mesh "
@@ -412,18 +413,7 @@ def fsdp(
             f"the model itself, e.g. ff.fsdp(model, mesh)."
         )
     check_mesh(mesh, "ff.fsdp(module, mesh)")
-    names = axis_names(mesh)
-    if data_axes is None:
-        data_axes = tuple(a for a in names if a != "tp")
-    elif isinstance(data_axes, str):
-        data_axes = (data_axes,)
-    unknown = [a for a in data_axes if a not in names]
-    if unknown:
-        raise ValueError(
-            f"ff.fsdp(data_axes={tuple(data_axes)}): {unknown[0]!r} is not an axis of "
-            f"{format_mesh(axis_sizes(mesh))}{did_you_mean(unknown[0], names)}. Name the mesh "
-            f"axes that split the batch, some of {names}."
-        )
+    data_axes = data_axes_of(mesh, data_axes, "ff.fsdp")
     # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/).
     module = storage_view(module, wrappers)
     if trainable is not None:

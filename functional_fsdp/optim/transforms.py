@@ -493,17 +493,12 @@ def scale_by_learning_rate(
             f"{where}: learning_rate must be finite and >= 0, got {lr}. Pass the step size "
             f"as a positive number: the update is negated for you (flip_sign=True)."
         )
-    factor = sign * lr
+    scaled = scale(sign * lr)
 
     def update_constant(
-        updates: Updates,
-        state: OptState,
-        params: Params | None = None,
-        *,
-        donate: bool = False,
-        **extra: Any,
-    ) -> tuple[Updates, OptState]:
-        return map_foreach(torch._foreach_mul, updates, factor, donate=donate), state
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:  # scale's update; the state is the recorded rate
+        return scaled.update(updates, EmptyState(), params, **extra)[0], state
 
     return GradientTransformationExtraArgs(
         lambda params: ConstantLearningRateState(lr), update_constant

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
+from ..distributed.axes import data_axes_of
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import MasterWeightsState
@@ -407,6 +408,7 @@ def plan(
     accumulate: int = 1,
     accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
     name: str = "",
+    _memo: dict[Any, Any] | None = None,
 ) -> PlanReport:
     """Price one training step of ``model`` on a mesh, per device, from shapes alone.
 
@@ -476,50 +478,10 @@ def plan(
         >>> report.by_kind_and_axis()[("all_gather", "dp")][0]  # root + 2 blocks, twice
         6
     """
-    return _plan(
-        model,
-        mesh,
-        batch=batch,
-        specs=specs,
-        units=units,
-        policy=policy,
-        data_axes=data_axes,
-        trainable=trainable,
-        tp_plan=tp_plan,
-        tp_axis=tp_axis,
-        optimizer=optimizer,
-        opt_specs=opt_specs,
-        loss_fn=loss_fn,
-        accumulate=accumulate,
-        accumulate_mode=accumulate_mode,
-        name=name,
-        memo={},
-    )
-
-
-def _plan(
-    model: nn.Module,
-    mesh: Mapping[str, int] | Any,
-    *,
-    batch: BatchArg = None,
-    specs: Specs | None = None,
-    units: UnitsArg = None,
-    policy: Policy | None = None,
-    data_axes: Sequence[str] | None = None,
-    trainable: Sequence[str] | Callable[[str], bool] | None = None,
-    tp_plan: Mapping[str, Style] | None = None,
-    tp_axis: str = "tp",
-    optimizer: OptimizerArg = "adamw",
-    opt_specs: Specs | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | Literal["lm"] | None = "lm",
-    accumulate: int = 1,
-    accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
-    name: str = "",
-    memo: dict[Any, Any],
-) -> PlanReport:
-    """:func:`plan`, with ``memo`` shared by plans of one model (see :func:`_memo`): what
-    depends only on the same inputs (a unit plan, the optimizer state of the same shards, a
-    forward trace on the same compute shapes) is worked out once."""
+    # _memo (private: compare_strategies) is shared by plans of one model (see _remember): what
+    # depends only on the same inputs (a unit layout, the optimizer state of the same shards,
+    # a forward trace on the same compute shapes) is worked out once.
+    memo = {} if _memo is None else _memo
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -534,14 +496,7 @@ def _plan(
             f"ff.plan(tp_plan=...): the mesh {mesh_str} has no tensor-parallel axis "
             f"{tp_axis!r}; add one, e.g. {{'dp': 4, {tp_axis!r}: 2}}, or pass tp_axis=."
         )
-    if data_axes is None:
-        data_axes = tuple(a for a in sizes if a != tp_axis)
-    data_axes = tuple(data_axes)
-    unknown = [a for a in data_axes if a not in sizes]
-    if unknown:
-        raise ValueError(
-            f"ff.plan: data_axes {data_axes} name {unknown[0]!r}, which {mesh_str} lacks"
-        )
+    data_axes = data_axes_of(sizes, data_axes, "ff.plan", model_axes=(tp_axis,))
     if accumulate < 1:
         raise ValueError(f"ff.plan: accumulate must be >= 1, got {accumulate}")
     policy = policy or Policy()
@@ -563,7 +518,7 @@ def _plan(
     paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
     resolved = dict(zip((p[0] for p in paths), resolve_specs(module_params, specs)))
     param_specs = {n: resolved[n] or P() for n in module_params}
-    the_plan: ModelLayout = _memo(
+    the_plan: ModelLayout = _remember(
         memo,
         ("plan", tuple(sizes.items()), tuple(param_specs.items()), unit_paths, data_axes),
         lambda: model_layout(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype),
@@ -589,7 +544,7 @@ def _plan(
         for n in layouts
         if n in train
     }
-    opt_state_bytes, kept = _memo(  # kept: master_weights' param dtype, read off its state
+    opt_state_bytes, kept = _remember(  # kept: master_weights' param dtype, read off its state
         memo,
         ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
         lambda: _state_bytes(opt, shards),
@@ -642,7 +597,7 @@ def _plan(
         key = None
         if not styles:  # a TP trace depends on the styles too: not shared
             key = ("trace", the_plan.order, _shapes(params), _shapes(local), id(loss), cast)
-        trace = _memo(
+        trace = _remember(
             memo,
             key,
             lambda: _activations.trace_forward(
@@ -767,7 +722,7 @@ def _plan(
     )
 
 
-def _memo(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:
+def _remember(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:
     """``make()``, remembered in ``memo`` under ``key`` (and ``more``); ``key=None``: not
     remembered. Plans of one model share a memo (:func:`compare_strategies`): the values
     are read, never changed, so sharing them is safe."""
