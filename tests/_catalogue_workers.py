@@ -7,6 +7,17 @@ the cases marked ``real`` on 2 gloo processes (the same code, real collectives),
 
 A case's ``match`` is a list of fragments that must appear in the message, in order: what is
 wrong (key path, shape, spec, mesh) and how to fix it.
+
+The bad inputs found by issue 23's probes are cases here: a value that differs between
+ranks (``shard_differs_between_ranks``), global shapes that differ between ranks
+(``gather_shapes_differ_between_ranks``, ``reshard_shapes_differ_between_ranks``) and a
+unit type that matches nothing (``units_type_matches_nothing``). Its fourth, a torchrun
+restart of a gloo group without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, is not here on
+purpose: it was fixed, not refused, so there is no error and no wording to pin. A case
+would only show that nothing is raised; ``tests/test_reliability.py::
+test_torchrun_restart_of_a_gloo_group_needs_no_environment_variable`` runs the real
+``torchrun --max-restarts=1`` job instead and checks that the restarted attempt forms its
+group and runs a collective.
 """
 
 from __future__ import annotations
