@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,10 +61,10 @@ TrainableArg = Collection[str] | Callable[[str], bool] | None
 
 @dataclass(frozen=True, eq=False)
 class FSDP:
-    """A module's sharding: specs, units and policy, and the plan built from them.
+    """A module's sharding: specs, units and policy, and the layout built from them.
 
     Build it with :func:`fsdp`. It is immutable: ``dataclasses.replace(sharded_model,
-    policy=...)`` gives a new description with its own plan.
+    policy=...)`` gives a new description with its own layout.
 
     Attributes:
         module: the ``nn.Module`` (never modified).
@@ -77,7 +78,9 @@ class FSDP:
             copy (tensor-parallel styles use this).
         trainable_override: the names of the trainable parameters, or a predicate on the
             name; ``None``: those with ``requires_grad`` (read when :attr:`trainable` is).
-        plan: the plan (derived; never passed).
+        layout: the :class:`~functional_fsdp.fsdp.layout.ModelLayout`: units, each
+            parameter's layout, the bucketed gather rounds (derived; never passed). Its old
+            name ``plan`` still reads, with a ``DeprecationWarning``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -96,10 +99,10 @@ class FSDP:
     specs: Specs
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = ()
     trainable_override: TrainableArg = None
-    plan: ModelLayout = field(init=False, repr=False)
+    layout: ModelLayout = field(init=False, repr=False)
     _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
     _sizes: dict[str, int] = field(init=False, repr=False)
-    _other_plans: dict[tuple[P, ...], ModelLayout] = field(init=False, repr=False)
+    _other_layouts: dict[tuple[P, ...], ModelLayout] = field(init=False, repr=False)
     _complex: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,13 +115,24 @@ class FSDP:
         paths = optree.tree_paths(params, none_is_leaf=True)  # type: ignore[arg-type]
         resolved = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
         object.__setattr__(self, "_sizes", sizes)
-        object.__setattr__(self, "_other_plans", {})
-        object.__setattr__(self, "plan", self._make_plan({n: resolved[n] for n in params}))
+        object.__setattr__(self, "_other_layouts", {})
+        object.__setattr__(self, "layout", self._make_layout({n: resolved[n] for n in params}))
         object.__setattr__(
             self, "_modules", tuple(self.module.named_modules(remove_duplicate=False))
         )
 
-    def _make_plan(self, specs: dict[str, P | None]) -> ModelLayout:
+    @property
+    def plan(self) -> ModelLayout:
+        """Deprecated name of :attr:`layout` ("plan" is ``ff.plan``'s report)."""
+        warnings.warn(
+            "FSDP.plan is now FSDP.layout (the model's ModelLayout); 'plan' names ff.plan's "
+            "report.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.layout
+
+    def _make_layout(self, specs: dict[str, P | None]) -> ModelLayout:
         return model_layout(
             self.module,
             self._sizes,
@@ -177,7 +191,7 @@ class FSDP:
 
     def param_specs(self) -> dict[str, P]:
         """``{parameter name: P}`` for the module's parameters (tied ones once)."""
-        return dict(self.plan.specs)
+        return dict(self.layout.specs)
 
     def shard(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, Sharded]:
         """Shard the module's parameters (or ``params``, a ``{name: tensor}`` dict).
@@ -231,7 +245,7 @@ class FSDP:
         ``torch.func.functional_call``; buffers are never sharded. Python control flow that
         skips a unit must agree on every rank (its collectives are skipped too).
         """
-        plan = self._plan_for(params)
+        layout = self._layout_for(params)
         given = step_inputs.inputs_for(self)  # what a train_step tells this call, if any
         policy = self.policy
         if not given.reduce:
@@ -239,7 +253,7 @@ class FSDP:
         if self._complex and policy.grad_reduce != "none":
             self._check_complex(params)
         return runtime.run(
-            plan,
+            layout,
             self._modules,
             self.mesh,
             self._sizes,
@@ -253,9 +267,9 @@ class FSDP:
             replicas=given.replicas,
         )
 
-    def _plan_for(self, params: Any) -> ModelLayout:
-        """Check ``params`` against the module; the plan for their layout."""
-        expected = self.plan.expected
+    def _layout_for(self, params: Any) -> ModelLayout:
+        """Check ``params`` against the module; the model's layout for theirs."""
+        expected = self.layout.expected
         other = False
         if not isinstance(params, dict):
             raise TypeError(
@@ -309,16 +323,16 @@ class FSDP:
             if v.spec != spec and v.spec.padded(len(shape)) != spec:
                 other = True
         if not other:
-            return self.plan
+            return self.layout
         # Another layout (e.g. gathered over the data axes for local accumulation): its own
-        # plan, built once per layout. The plan is a pure function of the layout and of this
+        # ModelLayout, built once per layout. It is a pure function of the layout and of this
         # (immutable) object, so remembering it changes no result.
         key = tuple(params[n].spec.padded(len(shape)) for n, (shape, _, _) in expected.items())
-        plan = self._other_plans.get(key)
-        if plan is None:
-            plan = self._make_plan(dict(zip(expected, key)))
-            self._other_plans[key] = plan
-        return plan
+        layout = self._other_layouts.get(key)
+        if layout is None:
+            layout = self._make_layout(dict(zip(expected, key)))
+            self._other_layouts[key] = layout
+        return layout
 
     def _check_complex(self, params: dict[str, Sharded]) -> None:
         """Complex gradients cannot be reduced: c10d's functional collectives (gloo, NCCL)

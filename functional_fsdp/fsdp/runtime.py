@@ -116,7 +116,7 @@ class _Forward:
 
 
 def run(
-    plan: ModelLayout,
+    layout: ModelLayout,
     modules: Sequence[tuple[str, nn.Module]],
     mesh: DeviceMesh,
     sizes: dict[str, int],
@@ -130,15 +130,15 @@ def run(
     *,
     replicas: Mapping[int, torch.Tensor],
 ) -> Any:
-    """Run the module of ``plan`` on ``args``/``kwargs`` with the sharded ``params``.
+    """Run the module of ``layout`` on ``args``/``kwargs`` with the sharded ``params``.
 
     ``modules`` is the module's ``named_modules(remove_duplicate=False)``; ``params`` were
-    checked against the plan by the caller. ``replicas`` (ZeRO-1/2, from the step): full
+    checked against the layout by the caller. ``replicas`` (ZeRO-1/2, from the step): full
     values to compute with instead of all-gathering, by the id of a local shard in ``params``
     (see :class:`~functional_fsdp.fsdp.step_inputs.StepInputs`).
     """
     ctx = Context.for_call(mesh, sizes, policy, data_axes, trackers=active_trackers())
-    state = CallState(plan, ctx, params, replicas)
+    state = CallState(layout, ctx, params, replicas)
     if not ctx.simulated and not torch.is_anomaly_enabled():
         # One fence over every differentiated shard, before any gather (see ReduceFence).
         # Only those: an autograd.Function's outputs all require grad when one input does.
@@ -149,9 +149,9 @@ def run(
     _recompute_with_own_params(copies, state)
     slots = {
         name: [[_slot(copies, a) for a in aliases] for aliases in up.aliases]
-        for name, up in plan.units.items()
+        for name, up in layout.units.items()
     }
-    for alias, meta in plan.placeholders.items():
+    for alias, meta in layout.placeholders.items():
         ref, attr = _slot(copies, alias)
         ref()._parameters[attr] = meta  # type: ignore[union-attr,assignment]
     if buffers:
@@ -160,7 +160,7 @@ def run(
     by_path: dict[str, list[ModuleWrapper]] = {}
     for path, wrapper in wrappers:  # inner wrappers first (tensor-parallel styles)
         by_path.setdefault(path, []).append(wrapper)
-    for path in {*by_path, *plan.order}:
+    for path in {*by_path, *layout.order}:
         module = copies[path]
         unit = (
             functools.partial(_unit_forward, state, slots, path) if path in state.position else None
@@ -211,7 +211,7 @@ def _unit_forward(
     use_ckpt = ckpt(name) if callable(ckpt) else bool(ckpt)
     call = state.begin(name)
     unit = call.unit
-    if not unit.differentiated and unit.plan.rounds:
+    if not unit.differentiated and unit.layout.rounds:
         # No gather backward will free this unit's parameters after its backward.
         (a, kw), _ = attach(PostBackward, (a, kw), lambda: call.free("backward"))
     tensors = _gather(call)
@@ -221,15 +221,15 @@ def _unit_forward(
     if mp.cast_forward_inputs:
         a, kw = cast_floating((a, kw), mp.param_dtype)
     where = slots[name]
-    placeholders = state.plan.placeholders
+    placeholders = state.layout.placeholders
     if use_ckpt:
-        out = _checkpointed(state, inner, where, tensors, unit.plan, placeholders, a, kw)
+        out = _checkpointed(state, inner, where, tensors, unit.layout, placeholders, a, kw)
     else:
         _set(where, tensors)
         try:
             out = inner(*a, **kw)
         finally:
-            _restore(where, unit.plan, placeholders)
+            _restore(where, unit.layout, placeholders)
     if policy.reshard_after_forward:
         call.free("forward")
         out, call.hooked = attach(PreBackward, out, state.backward_hook(call, call.position))

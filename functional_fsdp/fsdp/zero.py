@@ -40,7 +40,7 @@ def _unit(
     """A unit holding ``shards`` (the optimizer layout), gathered over ``data_axes``."""
     mesh = shards[0].mesh
     sizes = axis_sizes(mesh)
-    up = _unit_plan(
+    up = _unit_layout(
         tuple(names),
         tuple(s.layout for s in shards),
         tuple(s.dtype for s in shards),
@@ -54,7 +54,7 @@ def _unit(
 
 
 @functools.lru_cache(maxsize=64)
-def _unit_plan(
+def _unit_layout(
     names: tuple[str, ...],
     layouts: tuple[Layout, ...],
     dtypes: tuple[torch.dtype, ...],
@@ -62,7 +62,7 @@ def _unit_plan(
     data_axes: tuple[str, ...],
     param_dtype: torch.dtype | None,
 ) -> UnitLayout:
-    """The plan of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
+    """The layout of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
     gdtypes = [gather_dtype(d, param_dtype) for d in dtypes]
     rounds = gather_rounds(layouts, dict(sizes), data_axes, gdtypes)
     last = [-1] * len(names)
