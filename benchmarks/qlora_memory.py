@@ -6,8 +6,9 @@ with ``save_pretrained``. Per rank of a gloo job:
 
 * ``ff 4-bit``: the model on meta, its linear layers made bitsandbytes NF4 with double
   quantization (``replace_with_bnb_linear``), peft LoRA (r=8, all seven projections);
-  ``load_safetensors`` quantizes each rank's blocks while reading; ``train_step`` (AdamW);
-  ``export_merged`` (streamed, written dequantized);
+  ``load_safetensors(dtype=bfloat16)`` quantizes each rank's blocks from bf16 while reading
+  and holds the unquantized weights (embedding, head, norms) in bf16, as (b) does;
+  ``train_step`` (AdamW); ``export_merged`` (streamed, written dequantized);
 * ``ff bf16``: the same LoRA on a bf16 base (``load_safetensors(dtype=bfloat16)``), the same
   step and export;
 * ``FSDP2 + quant_storage``: torch FSDP2 over bitsandbytes' ``bnb_4bit_quant_storage``
@@ -32,8 +33,9 @@ the rise of resident memory (``VmHWM``) above its level when the steps start, fo
 column, next to the bytes the state holds then (parameters, optimizer state). peft's and
 FSDP2's steps have no optimizer state before their first step (torch creates it inside
 ``opt.step()``), so it shows in their growth. ``projections at rest`` counts only the seven
-projections (the layers that are quantized; quantization state included), ``base at rest``
-also the embedding, head and norms. ``step seconds``: wall time of the last step.
+projections (the layers that are quantized; quantization state included: for ff, the code
+tables every rank holds whole as well as the sharded blocks), ``base at rest`` also the
+embedding, head and norms. ``step seconds``: wall time of the last step.
 
     torchrun --nproc-per-node 4 benchmarks/qlora_memory.py [--size 118m|1g] [--steps 1]
 """
@@ -50,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import functional_fsdp as ff
+from functional_fsdp.formats import replicated_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MIB = 2**20
@@ -180,13 +183,14 @@ def run_ff(
     adapters = [v.local for k, v in params.items() if k in sm.trainable]
     loaded, load_peak = peak(
         lambda: ff.checkpoint.load_safetensors(
-            sm, path, rename=rename, names=frozen, dtype=None if quantize else torch.bfloat16
+            sm, path, rename=rename, names=frozen, dtype=torch.bfloat16
         ),
         adapters,
     )
     params.update(loaded)
-    at_rest = sum(params[k].local.nbytes for k in frozen)
-    proj = sum(params[k].local.nbytes for k in frozen if "_proj" in k)
+    tables = replicated_bytes(sm.module)  # a 4-bit base's code tables, whole on every rank
+    at_rest = sum(params[k].local.nbytes for k in frozen) + tables
+    proj = sum(params[k].local.nbytes for k in frozen if "_proj" in k) + tables
     opt = ff.adamw(1e-3)
     step = ff.train_step(
         lambda p, b: sm.apply(p, input_ids=b, labels=b, buffers=buffers).loss, opt, model=sm

@@ -29,9 +29,16 @@ read back with ``AutoTokenizer`` as a real one would be.
 
 ``--quantize nf4`` is the QLoRA recipe (``BitsAndBytesConfig(load_in_4bit=True,
 bnb_4bit_use_double_quant=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=bfloat16)``,
-LoRA dropout 0.05): the base's linear layers become bitsandbytes 4-bit layers on ``meta``, each
-rank quantizes its own blocks while reading the checkpoint, and the packed 4-bit bytes are what
-is sharded and gathered.
+``model.gradient_checkpointing_enable()``, ``prepare_model_for_kbit_training(model)``, LoRA
+dropout 0.05): the base's linear layers become bitsandbytes 4-bit layers on ``meta``, each rank
+quantizes its own blocks while reading the checkpoint, and the packed 4-bit bytes are what is
+sharded and gathered. The recipe's two lines run unchanged on the meta model; Hugging Face's
+checkpointing then recomputes each decoder layer (the library's own is off), and since
+``torch.func`` cannot differentiate through it, ``train_step`` computes the gradients with plain
+autograd (a one-line notice). One difference from ``from_pretrained``: on a model that
+``from_pretrained`` did not quantize, ``prepare_model_for_kbit_training`` only freezes the base
+and casts half-precision weights to fp32 (its checkpointing part, for quantized loads, is what
+the line before it already did).
 
     torchrun --nproc-per-node 2 examples/finetune_lora.py
     torchrun --nproc-per-node 2 examples/finetune_lora.py --resume        # continue
@@ -257,12 +264,18 @@ def main() -> None:
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
     dropout = 0.0
-    if args.quantize != "none":  # the base's linear layers as bitsandbytes 4-bit, on meta
+    quantized = args.quantize != "none"
+    if quantized:  # the base's linear layers as bitsandbytes 4-bit, on meta
+        from peft import prepare_model_for_kbit_training
         from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
         base = replace_with_bnb_linear(
             base, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(args)
         )
+        # The QLoRA recipe's own lines: Hugging Face's checkpointing in every decoder layer
+        # (instead of the library's, below), and peft's preparation of a k-bit base.
+        base.gradient_checkpointing_enable()
+        base = prepare_model_for_kbit_training(base)
         dropout = 0.05
     lora = LoraConfig(
         r=args.rank,
@@ -274,7 +287,8 @@ def main() -> None:
     mesh = ff.make_mesh(parse_mesh(args.mesh, default={"dp": world}), device_type=device.type)
     bf16 = args.mixed_precision == "bf16"
     policy = ff.Policy(
-        activation_checkpointing=True,  # recompute activations per unit: one per decoder layer
+        # recompute activations per unit (one per decoder layer), unless HF's checkpointing does
+        activation_checkpointing=not quantized,
         mixed_precision=ff.MixedPrecision(
             param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
         ),
@@ -300,6 +314,8 @@ def main() -> None:
     def loss_fn(p: dict, batch: torch.Tensor) -> torch.Tensor:
         return sm.apply(p, input_ids=batch, labels=batch, buffers=buffers).loss
 
+    # engine "auto": torch.func where it can; HF's checkpointing (the QLoRA recipe) makes the
+    # step compute its gradients with plain autograd instead, with a one-line notice.
     step = ff.train_step(
         loss_fn, optimizer, model=sm, accumulate=args.accumulate, learning_rate=schedule
     )

@@ -55,6 +55,7 @@ from .optim.finite import ApplyIfFiniteState as ApplyIfFiniteState
 from .optim.finite import apply_if_finite as apply_if_finite
 from .optim.masters import MasterWeightsState as MasterWeightsState
 from .optim.masters import master_weights as master_weights
+from .optim.records import learning_rate_of as learning_rate_of
 from .optim.schedules import Schedule as Schedule
 from .optim.schedules import constant_schedule as constant_schedule
 from .optim.schedules import cosine_decay_schedule as cosine_decay_schedule
@@ -78,7 +79,6 @@ from .optim.transforms import add_decayed_weights as add_decayed_weights
 from .optim.transforms import apply_updates as apply_updates
 from .optim.transforms import chain as chain
 from .optim.transforms import identity as identity
-from .optim.transforms import learning_rate_of as learning_rate_of
 from .optim.transforms import masked as masked
 from .optim.transforms import scale as scale
 from .optim.transforms import scale_by_adam as scale_by_adam

@@ -85,6 +85,8 @@ def mark_frozen(params: dict[str, Any], model: Any) -> dict[str, Any]:
     ``load_safetensors``), so tagging their local blocks changes nothing of the user's. The tag
     lets :meth:`TrainState.create` without ``trainable=`` refuse them at once, instead of the
     first step. It is lost by any operation that makes new tensors, which is what a tag should.
+    It is a hint for an earlier error and nothing reads it for a computation; the rule it
+    serves (``train._refuse_frozen``) is checked again at the step from the module itself.
     """
     trainable = module_trainable(model)
     if trainable is None:

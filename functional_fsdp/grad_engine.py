@@ -34,7 +34,6 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from . import rng as random
-from .fsdp import runtime
 
 Engine = Literal["auto", "func", "autograd"]
 ENGINES: tuple[str, ...] = ("auto", "func", "autograd")
@@ -192,9 +191,7 @@ def autograd_grad_and_value(
     """
     tensors, spec = torch_pytree.tree_flatten(wrt)
     leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t for t in tensors]
-    known = runtime._REPLICAS.get() or {}  # ZeRO-2: the copies compute with the same replicas
-    pairs = [(c, known[id(t)]) for t, c in zip(tensors, leaves) if id(t) in known]
-    with torch.enable_grad(), runtime.replicas(pairs):
+    with torch.enable_grad():
         loss = fn(torch_pytree.tree_unflatten(leaves, spec), batch)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             with _grads_kept(loss, {id(x) for x in leaves}):

@@ -25,6 +25,7 @@ from ._buckets import (
 from ._tree import dotted, keystr
 from .distributed import agreement
 from .distributed import collectives as C
+from .distributed.axes import check_axes, describe_mesh, same_mesh
 from .distributed.mesh import axis_names, axis_sizes, check_mesh, local_coordinate, rank_at
 from .distributed.simulate import (
     check_alive,
@@ -34,7 +35,7 @@ from .distributed.simulate import (
     per_coordinate,
 )
 from .sharded import Sharded, block_of, local_shape_problem
-from .spec import Layout, P, did_you_mean, format_mesh, spec_problem
+from .spec import Layout, P, format_mesh, spec_problem
 
 SpecRule = Callable[[str, torch.Tensor], P | None]
 Specs = P | SpecRule | Any
@@ -446,13 +447,11 @@ def _check_values(paths: list[tuple[Any, ...]], values: list[Sharded], what: str
             f"ff.checkpoint.load)."
         )
     for path, v in zip(paths[1:], values[1:]):
-        if v.mesh is not first.mesh and v.mesh != first.mesh:
+        if not same_mesh(v.mesh, first.mesh):
             raise ValueError(
                 f"{what}() got values on different meshes: {keystr(paths[0])} is on "
-                f"{format_mesh(axis_sizes(first.mesh))} {first.mesh.mesh.tolist()} but "
-                f"{keystr(path)} is on {format_mesh(axis_sizes(v.mesh))} "
-                f"{v.mesh.mesh.tolist()}. Call {what}() once per mesh, or reshard the values "
-                f"onto one mesh first."
+                f"{describe_mesh(first.mesh)} but {keystr(path)} is on {describe_mesh(v.mesh)}. "
+                f"Call {what}() once per mesh, or reshard the values onto one mesh first."
             )
 
 
@@ -514,15 +513,14 @@ def gather(
     _check_values([paths[i] for i in idx], values, "gather")
     wanted_axes = None if axes is None else ({axes} if isinstance(axes, str) else set(axes))
     if wanted_axes is not None:
-        unknown = wanted_axes - set(axis_names(values[0].mesh))
-        if unknown:
-            bad = sorted(unknown, key=str)[0]
-            raise ValueError(
-                f"gather(axes={sorted(wanted_axes, key=str)}): the mesh "
-                f"{format_mesh(axis_sizes(values[0].mesh))} has no axis {bad!r}"
-                f"{did_you_mean(bad, axis_names(values[0].mesh))}; name some of its axes "
-                f"{axis_names(values[0].mesh)}, or pass axes=None to gather all of them."
-            )
+        given = sorted(wanted_axes, key=str)
+        names = axis_names(values[0].mesh)
+        check_axes(
+            values[0].mesh,
+            given,
+            f"gather(axes={given})",
+            f"name some of its axes {names}, or pass axes=None to gather all of them",
+        )
     wanted = [
         set(v.spec.axes) if wanted_axes is None else wanted_axes & set(v.spec.axes) for v in values
     ]

@@ -27,23 +27,19 @@ from ._partition import marked_frozen, module_trainable, names_of, partition, tr
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .distributed import collectives as C
 from .distributed import process
+from .distributed.axes import data_axes_of
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
-from .fsdp import runtime
+from .fsdp import step_inputs
 from .fsdp.api import FSDP
 from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
 from .optim.clipping import global_norm
-from .optim.masters import MasterWeightsState, param_dtype_of
+from .optim.masters import MasterWeightsState
+from .optim.records import metrics_of
 from .optim.schedules import Schedule
-from .optim.transforms import (
-    GradientTransformation,
-    apply_updates,
-    call_update,
-    learning_rate_fn,
-    report_fn,
-)
+from .optim.transforms import GradientTransformation, apply_updates, call_update
 from .resharding import reshard, resolve_specs
 from .sharded import Sharded
 from .spec import P, format_mesh
@@ -165,7 +161,7 @@ class TrainState:
         _check_optimizer(optimizer, "TrainState.create")
         names = None
         if trainable is None:
-            _check_no_frozen_shards(params)
+            _refuse_frozen("TrainState.create", marked_frozen(params), "shards")
         else:
             names = trainable_names(params, trainable, "TrainState.create")
             if not names:
@@ -182,10 +178,9 @@ class TrainState:
             train = reshard(train, restrict_specs(opt_specs, train))
             layout = _layout_of(train)
         opt_state = optimizer.init(train)
-        dtype = param_dtype_of(optimizer)
-        if dtype is not None:  # master_weights: the trainable params in the compute dtype
+        if isinstance(opt_state, MasterWeightsState):  # the trainable params in its dtype
             split = _Split(params, names)
-            params = split.full([_cast(x, dtype) for x in split.train_leaves])
+            params = split.full([_cast(x, opt_state.param_dtype) for x in split.train_leaves])
         return TrainState(params, opt_state, 0, names, opt_specs=layout, rng=_as_key(rng))
 
     @property
@@ -278,19 +273,32 @@ def _check_optimizer(optimizer: Any, where: str) -> None:
     )
 
 
-def _check_no_frozen_shards(params: Any) -> None:
-    """Without ``trainable=``, refuse shards of frozen parameters: the first step would."""
-    frozen = marked_frozen(params)
-    if frozen:
-        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
-        raise ValueError(
-            f"TrainState.create: params[{frozen[0]!r}]{more} {'are' if more else 'is'} "
-            f"the shard{'s' if more else ''} of frozen parameters "
-            f"(requires_grad=False) of the module ff.fsdp sharded, but trainable= was not "
-            f"given, so they would get gradients, optimizer state and updates. Write "
-            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
-            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
+def _refuse_frozen(where: str, frozen: list[str], seen_in: Literal["shards", "module"]) -> None:
+    """The rule: a state created without ``trainable=`` trains every parameter, so frozen
+    ones (``requires_grad=False`` in the module, :func:`module_trainable`) are refused unless
+    ``trainable=`` says so. Checked where it is first known: at ``TrainState.create`` from
+    the shards the library made for the module (``mark_frozen``), at the step from the
+    module itself."""
+    if not frozen:
+        return
+    more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
+    if seen_in == "shards":
+        what = (
+            f"params[{frozen[0]!r}]{more} {'are' if more else 'is'} the shard"
+            f"{'s' if more else ''} of frozen parameters (requires_grad=False) of the module "
+            f"ff.fsdp sharded, but trainable= was not given"
         )
+    else:
+        what = (
+            f"the module has frozen parameters (requires_grad=False), e.g. {frozen[0]!r}{more}, "
+            f"but the TrainState was created without trainable="
+        )
+    raise ValueError(
+        f"{where}: {what}, so they would get gradients, optimizer state and updates. Create "
+        f"the state with ff.TrainState.create(params, optimizer, trainable=sharded_model) to "
+        f"keep them frozen (or trainable=lambda path, p: True to train every parameter on "
+        f"purpose)."
+    )
 
 
 def _as_key(rng: int | torch.Tensor | None) -> torch.Tensor | None:
@@ -442,18 +450,12 @@ def local_batch(
         if data_axes is None:
             data_axes = model.data_axes
     check_mesh(mesh, where)
-    names = tuple(axis_sizes(mesh))
-    if data_axes is None:
-        data_axes = tuple(a for a in names if a != "tp")
-    elif isinstance(data_axes, str):
-        data_axes = (data_axes,)
-    unknown = [a for a in data_axes if a not in names]
-    if unknown:
-        raise ValueError(
-            f"{where}: data axis {unknown[0]!r} is not an axis of the mesh "
-            f"{format_mesh(axis_sizes(mesh))}; pass data_axes from {names}, or the FSDP model "
-            f"itself (ff.local_batch(batch, sharded_model)) to use its data axes."
-        )
+    data_axes = data_axes_of(
+        mesh,
+        data_axes,
+        where,
+        hint=", or pass the FSDP model itself (ff.local_batch(batch, sharded_model))",
+    )
     sizes = axis_sizes(mesh)
     n = math.prod(sizes[a] for a in data_axes)
     leaves, treedef = optree.tree_flatten(batch)
@@ -545,19 +547,9 @@ def _frozen_module_params(model: FSDP) -> list[str]:
 def _check_all_trainable(model: FSDP, params: Any) -> None:
     """The default path must not train a module's frozen parameters without being told."""
     frozen = _frozen_module_params(model)
-    if not frozen:
-        return
-    present = set(names_of(params))
-    frozen = [n for n in frozen if n in present]
     if frozen:
-        more = f" and {len(frozen) - 1} more" if len(frozen) > 1 else ""
-        raise ValueError(
-            f"train_step: the module has frozen parameters (requires_grad=False), e.g. "
-            f"{frozen[0]!r}{more}, but the TrainState was created without trainable=, so "
-            f"they would get gradients, optimizer state and updates. Create the state with "
-            f"ff.TrainState.create(params, optimizer, trainable=sharded_model) to keep them "
-            f"frozen (or trainable=lambda path, p: True to train every parameter on purpose)."
-        )
+        present = set(names_of(params))
+        _refuse_frozen("train_step", [n for n in frozen if n in present], "module")
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -592,11 +584,11 @@ def train_step(
     ``model=`` given, a state created without ``trainable=`` for a module that has
     ``requires_grad=False`` parameters raises instead of training them.
 
-    Failures. An exception inside a step (from ``loss_fn``, a bad batch, a schedule, a
-    collective) leaves the input state intact and usable. With ``donate=True`` the input
-    state is marked dead just before the update writes into it, so an exception during the
-    update makes its reuse raise :class:`DonatedStateError` rather than hand back half an
-    update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
+    Failures. An exception inside a step (from ``loss_fn``, a bad batch, a collective)
+    leaves the input state intact and usable. With ``donate=True`` the input state is marked
+    dead just before the update writes into it, so an exception during the update (a
+    learning-rate schedule runs there, inside the optimizer) makes its reuse raise
+    :class:`DonatedStateError` rather than hand back half an update. To skip steps whose loss or gradients are not finite, wrap the optimizer in
     :func:`~functional_fsdp.apply_if_finite`: the step passes it ``finite=`` (no extra
     collective) and the decision stays on the device. An optimizer that is a
     :class:`~functional_fsdp.GradientTransformationExtraArgs` (every built-in one) also gets
@@ -628,8 +620,9 @@ def train_step(
             optimizer shards during the backward) or ZeRO-1 (``"local"``: full gradients,
             reduce-scattered once), then one all-gather of the updated parameters: DDP's bytes.
         learning_rate: the schedule (or constant) to report as ``metrics["lr"]``. ``None``:
-            the optimizer's own learning rate (see :func:`~functional_fsdp.learning_rate_of`),
-            so a schedule is given once, to the optimizer.
+            the rate the optimizer's new state records for this update (see
+            :func:`~functional_fsdp.learning_rate_of`), so a schedule is given once, to the
+            optimizer.
         donate: update the state's tensors in place; the input state is dead afterwards and
             using it raises :class:`DonatedStateError`. Lowers peak memory. Frozen
             parameters are never written: the new state shares them.
@@ -660,7 +653,10 @@ def train_step(
         ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
         ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
-        and ``nonfinite_steps`` (so far). Values are tensors on the device, never read back
+        and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
+        what the new optimizer state records (``optim/records.py``: a state class lists
+        them in ``METRICS``; a skipped update keeps the previous record, so its ``lr`` is the
+        rate of the last update applied). Values are tensors on the device, never read back
         (no host sync); on a simulated mesh, where they are the same on every rank, they are
         plain tensors that format as numbers (``f"{metrics['loss']:.3f}"``).
 
@@ -719,8 +715,6 @@ def train_step(
         )
     differentiate = Differentiator(engine, None if model is None else model.module)
 
-    rate_of, report = learning_rate_fn(optimizer), report_fn(optimizer)
-
     def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
         return lambda i: _micro_batch_stream(key, i, model, randomness)
 
@@ -740,10 +734,13 @@ def train_step(
             train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            return _check_loss(loss_fn(split.full(t, base), b))
+            if pullback is None:
+                return _check_loss(loss_fn(split.full(t, base), b))
+            # Gathered over the data axes already: the pullback reduces the gradients once.
+            with step_inputs.given(model, reduce=False):
+                return _check_loss(loss_fn(split.full(t, base), b))
 
-        with model.no_sync() if pullback is not None else contextlib.nullcontext():
-            total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
+        total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
         if pullback is not None:
             (total,) = pullback(total)
         return total, loss
@@ -764,15 +761,17 @@ def train_step(
         micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
 
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            return _check_loss(loss_fn(split.full(t), b))
+            if accumulate_mode == "local":  # full gradients, reduce-scattered once below
+                inputs = step_inputs.given(zero_model, reduce=False)
+            else:  # the shards being differentiated, as apply will see them: their replicas
+                inputs = step_inputs.given(
+                    zero_model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
+                )
+            with inputs:
+                return _check_loss(loss_fn(split.full(t), b))
 
-        if accumulate_mode == "local":
-            wrt, scope = replicas, zero_model.no_sync()
-        else:
-            wrt = shards
-            scope = runtime.replicas([(s.local, r.local) for s, r in zip(shards, replicas)])
-        with scope:
-            total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
+        wrt = replicas if accumulate_mode == "local" else shards
+        total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
         if accumulate_mode == "local":
             names = [name for name, _ in layout]
             total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
@@ -832,12 +831,9 @@ def train_step(
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
         finite = torch.isfinite(loss) & torch.isfinite(norm)
-        # The rate this update applies, read before anything is written: a schedule that
-        # raises here leaves even a donated state intact.
+        given_lr = None  # train_step(learning_rate=...): computed before anything is written
         if learning_rate is not None:
-            lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        else:
-            lr = rate_of(opt_state) if rate_of is not None else float("nan")
+            given_lr = learning_rate(count) if callable(learning_rate) else learning_rate
         if donate:  # dead before the first in-place write: a failure below cannot be retried
             state._donated_at = count
         # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
@@ -878,9 +874,17 @@ def train_step(
             opt_specs=state.opt_specs,
             rng=base_key,
         )
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
-        if report is not None:
-            metrics.update(report(new_opt_state))
+        # What the optimizer state records about this update (the learning rate it applied,
+        # apply_if_finite's skips): read from the new state, copied if the next donated step
+        # would write into it.
+        records = {
+            k: v.clone() if donate and isinstance(v, torch.Tensor) else v
+            for k, v in metrics_of(new_opt_state).items()
+        }
+        lr = records.pop("lr", float("nan"))
+        if given_lr is not None:
+            lr = given_lr
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
         return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
     return step

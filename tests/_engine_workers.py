@@ -96,7 +96,7 @@ def requires_grad_changes_and_replace() -> dict:
         "same_as_fresh": same,
         "y16_dtype": str(y16.dtype),
         "y16_equal": torch.equal(y16, ref16.apply(params, x)),
-        "plans_differ": sm16.plan is not sm.plan,
+        "plans_differ": sm16.layout is not sm.layout,
     }
 
 

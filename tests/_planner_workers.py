@@ -78,7 +78,7 @@ def _key(t: torch.Tensor) -> int:
 
 
 def optimizer() -> ff.GradientTransformation:
-    """The cases' optimizer: clipped AdamW, whose clip computes a global norm of its own."""
+    """The cases' optimizer: clipped AdamW (its clip reuses the norm the step computes)."""
     return ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))
 
 

@@ -3,6 +3,12 @@
 Every model here is a tiny Llama saved in fp32 to a directory and loaded back quantized by
 ``from_pretrained(dir, quantization_config=..., device_map="cpu")``, then wrapped by peft's
 ``get_peft_model``: the bytes a rank holds are the bytes bitsandbytes produced.
+
+The references run in training mode, as a trainer runs them: ``from_pretrained`` returns a
+model in eval mode, and in eval mode (no grad on the input, a CPU with avx512_bf16)
+bitsandbytes' ``Linear4bit.forward`` repacks the weight in place into its CPU inference layout,
+which fails for layers narrower than 64 inputs (these tiny ones) and is not what a training
+step computes. None of these models has dropout, so training mode changes no value.
 """
 
 from __future__ import annotations
@@ -23,15 +29,17 @@ VOCAB = 96
 LR = 1e-2
 
 
-def bnb_config(quant_type: str = "nf4", double: bool = True) -> Any:
-    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double`` varied)."""
+def bnb_config(
+    quant_type: str = "nf4", double: bool = True, compute: torch.dtype = torch.bfloat16
+) -> Any:
+    """The seed recipe's BitsAndBytesConfig (``quant_type``/``double``/``compute`` varied)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_use_double_quant=double,
         bnb_4bit_quant_type=quant_type,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=compute,
     )
 
 
@@ -48,29 +56,67 @@ def save_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
     return path
 
 
-def quantized(path: str, quant_type: str = "nf4", double: bool = True) -> nn.Module:
-    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes."""
+def quantized(
+    path: str, quant_type: str = "nf4", double: bool = True, compute: torch.dtype = torch.bfloat16
+) -> nn.Module:
+    """The model at ``path`` loaded 4-bit by transformers + bitsandbytes, in training mode."""
     from transformers import AutoModelForCausalLM
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(
-            path, quantization_config=bnb_config(quant_type, double), device_map="cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(quant_type, double, compute), device_map="cpu"
         )
+    return model.train()
 
 
-def qlora(path: str, quant_type: str = "nf4", double: bool = True, seed: int = 1) -> nn.Module:
+def qlora(
+    path: str,
+    quant_type: str = "nf4",
+    double: bool = True,
+    seed: int = 1,
+    compute: torch.dtype = torch.bfloat16,
+) -> nn.Module:
     """peft LoRA (the seed's targets, r=8, alpha=16, no dropout) over the 4-bit model."""
+    return with_lora(quantized(path, quant_type, double, compute), seed)
+
+
+def with_lora(base: nn.Module, seed: int = 1, dropout: float = 0.0) -> nn.Module:
+    """peft LoRA (the seed's targets, r=8, alpha=16) over ``base``, random A and B."""
     from peft import LoraConfig, get_peft_model
 
-    base = quantized(path, quant_type, double)
     torch.manual_seed(seed)
     lora = LoraConfig(
-        r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False
+        r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=dropout, init_lora_weights=False
     )
     with warnings.catch_warnings():  # peft asks transformers a deprecated question
         warnings.simplefilter("ignore")
         return get_peft_model(base, lora)
+
+
+def bf16_base_gather_bytes(path: str, b: torch.Tensor) -> int:
+    """All-gather bytes of the projections' weights (the layers a 4-bit load quantizes) in
+    one ff.train_step on this rank, with the model at ``path`` loaded in bf16: the same base
+    in bf16, the same LoRA, the same step. Only those weights are sharded (the rest is
+    replicated), so every all-gather is theirs."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")
+    model = with_lora(base.train())
+
+    def specs(name: str, t: torch.Tensor) -> ff.P | None:
+        return ff.P("dp") if name.endswith("base_layer.weight") else None
+
+    sm = ff.fsdp(model, ff.make_mesh({"dp": 2}), specs=specs)
+    opt = ff.adamw(LR, weight_decay=0.0)
+    step = ff.train_step(lambda p, x: sm.apply(p, input_ids=x, labels=x).loss, opt, model=sm)
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm)
+    with ff.count_comms() as comms:
+        step(state, b)
+    gathers = [r for r in comms.records if r.kind == "all_gather"]
+    if {r.dtype for r in gathers} != {torch.bfloat16}:
+        raise ValueError(f"expected bf16 all-gathers only, got {gathers}")
+    return sum(r.bytes for r in gathers)
 
 
 def batches(steps: int, rows: int = 4, length: int = 9) -> list[torch.Tensor]:
@@ -78,10 +124,14 @@ def batches(steps: int, rows: int = 4, length: int = 9) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (rows, length), generator=g) for _ in range(steps)]
 
 
-def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
+def train_vs_peft(
+    path: str, quant_type: str, double: bool, steps: int, compute: torch.dtype = torch.bfloat16
+) -> dict:
     """``steps`` AdamW steps of ff.train_step on 2 gloo ranks (global batch split by rank) vs
-    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch."""
-    model, ref = qlora(path, quant_type, double), qlora(path, quant_type, double)
+    peft + bitsandbytes with torch.optim.AdamW in this process on the global batch (both
+    computing the base in ``compute``, bnb_4bit_compute_dtype)."""
+    model = qlora(path, quant_type, double, compute=compute)
+    ref = qlora(path, quant_type, double, compute=compute)
     mesh = ff.make_mesh({"dp": 2})
     sm = ff.fsdp(model, mesh)
     opt = ff.adamw(LR, weight_decay=0.0)
@@ -126,6 +176,8 @@ def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
             out["rs_bytes"] = sum(r.bytes for r in comms.records if r.kind == "reduce_scatter")
         torch_opt.step()
         torch_opt.zero_grad()
+        if i == 0:
+            out["step1_loss_diff"] = abs(float(metrics["loss"]) - ref_loss.item())
         out["loss"].append(float(metrics["loss"]))
         out["ref_loss"].append(ref_loss.item())
     full = ff.gather(state.params)
@@ -134,8 +186,9 @@ def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
         torch.equal(state.params[k].local, params[k].local) and state.params[k] is params[k]
         for k in base
     )
-    # The same base in bf16, for the all-gather bytes: each 4-bit layer's weight as bf16.
-    out["bf16_base_bytes"] = sum(
+    # The same base in bf16, for the all-gather bytes: measured on the same first batch.
+    out["bf16_base_gather_bytes"] = bf16_base_gather_bytes(path, batches(1)[0])
+    out["bf16_base_bytes"] = sum(  # by formula, for the test's message
         m.weight.quant_state.shape.numel() * 2
         for n, m in model.named_modules()
         if n.endswith("base_layer")
@@ -144,6 +197,97 @@ def train_vs_peft(path: str, quant_type: str, double: bool, steps: int) -> dict:
         type(m.weight).__name__ == "Params4bit"
         for n, m in model.named_modules()
         if n.endswith("base_layer")
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- the seed recipe
+
+
+def seed_recipe_model(path: str, dropout: float) -> nn.Module:
+    """The seed recipe's lines, unmodified: the 4-bit load with its BitsAndBytesConfig,
+    ``gradient_checkpointing_enable()``, ``prepare_model_for_kbit_training``, and LoRA r=8,
+    alpha=16 on every projection with ``lora_dropout``; then ``train()``, as a trainer does."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=bnb_config(), device_map="cpu"
+        )
+        model.gradient_checkpointing_enable()
+        model = prepare_model_for_kbit_training(model)
+        torch.manual_seed(1)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=dropout)
+        model = get_peft_model(model, config)
+    return model.train()
+
+
+def seed_recipe(path: str, steps: int, dropout: float) -> dict:
+    """``steps`` AdamW steps of ff.train_step (engine 'auto', randomness 'global_batch') on
+    2 gloo ranks vs peft + bitsandbytes with torch.optim.AdamW in one process on the global
+    batch, drawing its dropout masks from the key the step uses for the global batch. The
+    first step's gradients are read where the optimizer receives them."""
+    model, ref = seed_recipe_model(path, dropout), seed_recipe_model(path, dropout)
+    sm = ff.fsdp(model, ff.make_mesh({"dp": 2}))
+    seen: list = []
+
+    def record(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        seen.append(updates)  # the gradients of this step, sharded
+        return updates, state
+
+    opt = ff.chain(ff.GradientTransformation(lambda p: (), record), ff.adamw(LR, weight_decay=0))
+    step = ff.train_step(
+        lambda p, b: sm.apply(p, input_ids=b, labels=b).loss,
+        opt,
+        model=sm,
+        randomness="global_batch",
+    )
+    state = ff.TrainState.create(sm.shard(), opt, trainable=sm, rng=7)
+    names = state.trainable
+    torch_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+    )
+    theirs = dict(ref.named_parameters())
+    b = batches(1, rows=4)[0]  # one batch, again each step: the loss must fall
+    out: dict = {"loss": [], "ref_loss": [], "notices": []}
+    for i in range(steps):
+        with warnings.catch_warnings(record=True) as notices:
+            warnings.simplefilter("always")
+            state, metrics = step(state, b)
+        out["notices"] += [
+            str(w.message) for w in notices if issubclass(w.category, ff.AutogradFallbackWarning)
+        ]
+        with warnings.catch_warnings():  # the recipe's checkpointing leaves use_reentrant unset
+            warnings.filterwarnings("ignore", "torch.utils.checkpoint: the use_reentrant")
+            if i == 1:  # other masks give another loss (once lora_B, zero at first, is not)
+                with ff.seeded(ff.rng_key(8)), torch.no_grad():
+                    out["other_masks_loss"] = ref(input_ids=b, labels=b).loss.item()
+            with ff.seeded(ff.fold_in(ff.fold_in(ff.rng_key(7), i), 0)):  # step i, micro-batch 0
+                ref_loss = ref(input_ids=b, labels=b).loss
+                ref_loss.backward()
+        if i == 0:
+            grads = ff.gather(seen[0])
+            out["grad_diff"] = max((grads[k] - theirs[k].grad).abs().max().item() for k in names)
+            out["grad_scale"] = max(theirs[k].grad.abs().max().item() for k in names)
+        torch_opt.step()
+        torch_opt.zero_grad()
+        out["loss"].append(float(metrics["loss"]))
+        out["ref_loss"].append(ref_loss.item())
+    full = ff.gather(state.params)
+    out["param_diff"] = max((full[k] - theirs[k].detach()).abs().max().item() for k in names)
+    out["trainable"] = sorted(names)
+    out["dropout"] = sorted(
+        {
+            getattr(m, "p", 0.0)
+            for n, m in model.named_modules()
+            if n.endswith("lora_dropout.default")
+        }
+    )
+    out["checkpointing"] = model.get_base_model().is_activation_checkpointing
+    out["base_dtypes"] = sorted(
+        {str(v.dtype) for k, v in state.params.items() if k.endswith("base_layer.weight")}
     )
     return out
 
@@ -222,6 +366,7 @@ def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded = PeftModel.from_pretrained(quantized(path), adapter_dir)
+    loaded.train()  # peft loads an adapter in eval mode; see the module docstring
     out = {"adapter_logits_diff": (loaded(input_ids=x).logits - ours).abs().max().item()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -185,3 +185,41 @@ def checkpoint_masters(name: str) -> tuple[bool, bool]:
         loaded, m = step(loaded, b)
         resumed.append(float(m["loss"]))
     return same, resumed == straight
+
+
+def clipped_masters_optimizer() -> ff.GradientTransformation:
+    clipped = ff.chain(ff.clip_by_global_norm(0.5), ff.adamw(LR, weight_decay=0.1, eps=1e-6))
+    return ff.master_weights(clipped, param_dtype=torch.bfloat16)
+
+
+def clipped_masters(steps: int = 3) -> dict[str, Any]:
+    """ZeRO-3 on dp=2 in bf16 with ``master_weights(chain(clip_by_global_norm, adamw))``: the
+    all-reduces of one step, and whether the run with the step's gradient
+    norm passed to the clip is bitwise the run whose clip computes its own."""
+    opt = clipped_masters_optimizer()
+
+    def without_norm(update: Any) -> Any:  # the inner clip then all-reduces a norm of its own
+        def stripped(grads: Any, s: Any, p: Any = None, **kw: Any) -> Any:
+            return update(grads, s, p, **{k: v for k, v in kw.items() if k != "grad_norm"})
+
+        return stripped
+
+    out: dict[str, Any] = {}
+    for name, make in (("passed", lambda u: u), ("own", without_norm)):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        f = ff.fsdp(model, ff.make_mesh({"dp": 2}), policy=ff.Policy(mixed_precision=BF16))
+        state = ff.TrainState.create(f.shard(), opt)
+        spied = ff.GradientTransformationExtraArgs(opt.init, make(opt.update))
+        step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), spied, model=f)
+        norms = []
+        for i, b in enumerate(batches(steps)):
+            with ff.count_comms() as comms:
+                state, m = step(state, b)
+            norms.append(float(m["grad_norm"]))
+            if i == 0:
+                out[f"{name}/all_reduces"] = comms.by_kind_and_axis()[("all_reduce", "dp")][0]
+        out[f"{name}/masters"] = {k: v.local.clone() for k, v in state.opt_state.master.items()}
+        out[f"{name}/norms"] = norms
+    out["clipped"] = max(out["passed/norms"]) > 0.5  # the clip did scale some step
+    return out

@@ -53,3 +53,10 @@ def test_megatron_names_are_aliases_of_the_collectives():
                 assert all(torch.equal(p, q) for p, q in zip(ff.rank_values(a), ff.rank_values(b)))
         with pytest.raises(ValueError, match=r"all_reduce_grad over 'pt': the mesh Mesh\(tp=2\)"):
             ff.copy_to(x, mesh, "pt")
+
+
+def test_fsdp_plan_is_a_deprecated_name_of_its_layout():
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sharded_model = ff.fsdp(torch.nn.Linear(2, 2), mesh)
+        with pytest.warns(DeprecationWarning, match=r"FSDP\.plan is now FSDP\.layout"):
+            assert sharded_model.plan is sharded_model.layout

@@ -1,8 +1,11 @@
 """The import graph of ``functional_fsdp``: no circles, layers look down, one c10d caller.
 
 Every module is parsed with ``ast`` (function-local imports included: a late import is still
-a dependency). The layers, lowest first, are :data:`LAYERS`; a module may import its own
-layer and the layers below. docs/architecture.md explains them.
+a dependency; so are ``importlib.import_module`` calls, whose names must be literal). The
+layers, lowest first, are :data:`LAYERS`; a module may import its own layer and the layers
+below. ``torch.distributed`` is found however it is reached: ``import torch.distributed``,
+``from torch import distributed``, or an attribute of ``torch`` (or of an alias of it).
+docs/architecture.md explains them.
 """
 
 from __future__ import annotations
@@ -62,32 +65,61 @@ class _Imports(ast.NodeVisitor):
     """Every imported name in a module, and every ``torch.distributed.x`` read outside
     annotations (a call through ``torch.distributed`` needs no import of its own)."""
 
-    def __init__(self, package: str) -> None:
+    def __init__(self, package: str, module: str) -> None:
         self.package = package  # the dotted package the module sits in ("" at the top)
+        self.module = module  # the module's own dotted name below the package
         self.names: list[tuple[str, list[str]]] = []  # (module imported, names from it)
         self.attributes: set[str] = set()
+        self.torch = {"torch"}  # the names torch itself is bound to (import torch as t)
+        self.dynamic: list[str] = []  # import_module calls whose name is not a literal
+
+    def _absolute(self, level: int, name: str | None, base: str) -> str:
+        parts = ["functional_fsdp", *filter(None, base.split("."))]
+        parts = parts[: len(parts) - (level - 1)]
+        return ".".join(parts + ([name] if name else []))
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             self.names.append((alias.name, []))
+            if alias.name == "torch" and alias.asname:
+                self.torch.add(alias.asname)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         if node.level:
-            base = ["functional_fsdp", *filter(None, self.package.split("."))]
-            base = base[: len(base) - (node.level - 1)]
-            module = ".".join(base + ([node.module] if node.module else []))
+            module = self._absolute(node.level, node.module, self.package)
         else:
             module = node.module or ""
         self.names.append((module, [a.name for a in node.names]))
+
+    def visit_Call(self, node: ast.Call) -> None:
+        """``importlib.import_module(name, package)`` (or ``import_module``, ``__import__``)
+        imports ``name``: a literal one joins the graph, any other is reported."""
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called in ("import_module", "__import__") and node.args:
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                text = name.value
+                level = len(text) - len(text.lstrip("."))
+                if level:  # relative to the package argument: __name__ or __package__
+                    anchor = node.args[1] if len(node.args) > 1 else None
+                    base = (
+                        self.module if getattr(anchor, "id", None) == "__name__" else self.package
+                    )
+                    text = self._absolute(level, text[level:] or None, base)
+                self.names.append((text, []))
+            else:
+                self.dynamic.append(ast.unparse(node))
+        self.generic_visit(node)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         chain, value = [node.attr], node.value
         while isinstance(value, ast.Attribute):
             chain.append(value.attr)
             value = value.value
-        if isinstance(value, ast.Name):
-            dotted = ".".join([value.id, *reversed(chain)])
-            if dotted.startswith("torch.distributed."):
+        if isinstance(value, ast.Name) and value.id in self.torch:
+            dotted = ".".join(["torch", *reversed(chain)])
+            if dotted == "torch.distributed" or dotted.startswith("torch.distributed."):
                 self.attributes.add(dotted)
                 return
         self.generic_visit(node)
@@ -114,9 +146,11 @@ class _Imports(ast.NodeVisitor):
 
 
 def import_graph(
-    sources: dict[str, str],
+    sources: dict[str, str], dynamic: dict[str, list[str]] | None = None
 ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """``({module: the package's modules it imports}, {module: torch.distributed names})``.
+
+    ``dynamic``, if given, receives ``{module: import_module calls with a computed name}``.
 
     ``sources`` maps each module's name below the package (``"fsdp.api"``; ``"fsdp"`` for
     ``fsdp/__init__.py``, ``""`` for the package's own) to its source text.
@@ -127,13 +161,16 @@ def import_graph(
     torch_distributed: dict[str, set[str]] = {}
     for name, source in sources.items():
         package = name if name in _packages(sources) else name.rpartition(".")[0]
-        visitor = _Imports(package)
+        visitor = _Imports(package, name)
         visitor.visit(ast.parse(source))
+        if dynamic is not None and visitor.dynamic:
+            dynamic[name] = visitor.dynamic
         found: set[str] = set()
         reads: set[str] = set(visitor.attributes)
         for module, imported in visitor.names:
-            if module == "torch.distributed" or module.startswith("torch.distributed."):
-                reads.update(f"{module}.{n}" for n in imported) if imported else reads.add(module)
+            for full in [f"{module}.{n}" for n in imported] if imported else [module]:
+                if full == "torch.distributed" or full.startswith("torch.distributed."):
+                    reads.add(full)
             subs = [f"{module}.{n}" for n in imported if f"{module}.{n}" in modules]
             if subs and len(subs) == len(imported):  # from pkg import submodule
                 found.update(modules[s] for s in subs)
@@ -153,9 +190,13 @@ def _packages(sources: dict[str, str]) -> set[str]:
 
 
 @functools.cache
+def _sources() -> dict[str, str]:
+    return {_module_name(p, ROOT): p.read_text() for p in sorted(ROOT.rglob("*.py"))}
+
+
+@functools.cache
 def _real() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    sources = {_module_name(p, ROOT): p.read_text() for p in sorted(ROOT.rglob("*.py"))}
-    return import_graph(sources)
+    return import_graph(_sources())
 
 
 def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -259,6 +300,18 @@ def test_only_the_distributed_layer_calls_torch_distributed():
     assert not problems, "route these through functional_fsdp.distributed:\n" + "\n".join(problems)
 
 
+def test_every_import_can_be_read():
+    """An ``import_module`` whose name is computed would hide an edge from these checks."""
+    dynamic: dict[str, list[str]] = {}
+    import_graph(_sources(), dynamic)
+    assert not dynamic, f"import a literal module name instead: {dynamic}"
+
+
+def test_the_lazy_checkpoint_import_is_an_edge():
+    graph, _ = _real()
+    assert "checkpoint" in graph[""]  # ff.checkpoint: importlib.import_module(".checkpoint", ...)
+
+
 def test_allowances_are_used():
     """An allowance nothing needs any more is deleted (it would hide a new caller)."""
     _, torch_distributed = _real()
@@ -318,3 +371,92 @@ def test_from_package_import_submodule_points_at_the_submodule():
     graph, _ = import_graph(SYNTHETIC)
     assert graph[""] == {"fsdp.api"}
     assert graph["fsdp.api"] == {"distributed.collectives"}
+
+
+# Ways to reach torch.distributed and to import that a plain reading of import statements
+# misses.
+HIDDEN = {
+    "": "",
+    "display": "",
+    "distributed": "",
+    "optim": "",
+    "optim.late": (
+        "import importlib\n\ndef late():\n"
+        "    return importlib.import_module('..display', __package__)\n"
+    ),
+    "optim.computed": (
+        "import importlib\n\ndef late(name):\n    return importlib.import_module(name)\n"
+    ),
+    "tp": "",
+    "tp.from_torch": "from torch import distributed as dist\n",
+    "tp.bare": "import torch\n\ndef group():\n    d = torch.distributed\n    return d\n",
+    "tp.alias": "import torch as t\n\ndef rank():\n    return t.distributed.get_rank()\n",
+    "tp.by_name": (
+        "import importlib\n\ndef c10d():\n    return importlib.import_module('torch.distributed')\n"
+    ),
+}
+
+
+def test_hidden_ways_to_torch_distributed_are_found():
+    dynamic: dict[str, list[str]] = {}
+    graph, torch_distributed = import_graph(HIDDEN, dynamic)
+    assert list(c10d_callers(torch_distributed)) == [
+        "functional_fsdp.tp.alias uses torch.distributed.get_rank",
+        "functional_fsdp.tp.bare uses torch.distributed",
+        "functional_fsdp.tp.by_name uses torch.distributed",
+        "functional_fsdp.tp.from_torch uses torch.distributed",
+    ]
+    assert graph["optim.late"] == {"display"}
+    assert list(upward_imports(graph)) == [
+        "functional_fsdp.optim.late (engines) imports functional_fsdp.display (tools), a layer "
+        "above it"
+    ]
+    assert dynamic == {"optim.computed": ["importlib.import_module(name)"]}
+
+
+# --------------------------------------------------------------------------- ambient state
+
+# Context variables, each with its reason (docs/architecture.md, "Where the state of one call
+# lives"). Per-step state passes as arguments or in the state; a new one needs a reason here.
+CONTEXT_VARIABLES: dict[str, str] = {
+    "fsdp.step_inputs": (
+        "what train_step tells the apply calls inside the user's loss_fn, which it cannot "
+        "pass as arguments; read once per apply and handed to the interpreter"
+    ),
+    "distributed.accounting": "the count_comms blocks a user opens around a call",
+    "fsdp.memory": "the track_memory blocks a user opens around a call",
+}
+
+
+def context_variables(sources: dict[str, str]) -> dict[str, int]:
+    """``{module: how many ContextVar objects it creates}``."""
+    out: dict[str, int] = {}
+    for name, source in sources.items():
+        calls = [
+            node
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call)
+            and (
+                getattr(node.func, "attr", None) == "ContextVar"
+                or getattr(node.func, "id", None) == "ContextVar"
+            )
+        ]
+        if calls:
+            out[name] = len(calls)
+    return out
+
+
+def test_context_variables_are_the_listed_ones():
+    found = context_variables(_sources())
+    assert set(found) == set(CONTEXT_VARIABLES), found
+    assert all(n == 1 for n in found.values()), found
+
+
+def test_a_new_context_variable_is_found():
+    found = context_variables(
+        {
+            "fsdp.runtime": "import contextvars\n_X = contextvars.ContextVar('x', default=0)\n",
+            "train": "from contextvars import ContextVar\n_Y = ContextVar('y')\n",
+        }
+    )
+    assert found == {"fsdp.runtime": 1, "train": 1}

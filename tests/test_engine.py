@@ -163,7 +163,7 @@ def test_each_apply_call_has_one_state_of_its_own_dropped_with_its_graph(monkeyp
             assert len(made) == 2
             out, pullback = torch.func.vjp(lambda p: sm.apply(p, x), params)
             assert made[-1]() is not None  # alive with the call's graph
-            assert [c.unit.plan.name for c in made[-1]().calls] == ["0", "2"]
+            assert [c.unit.layout.name for c in made[-1]().calls] == ["0", "2"]
             del out, pullback
             assert made[-1]() is None
     finally:

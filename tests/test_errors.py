@@ -118,9 +118,9 @@ def test_gather_mixing_meshes(mesh4):
         "b": ff.shard(torch.ones(4), mesh22, P("dp")),
     }
     message = (
-        "got values on different meshes: ['a'] is on Mesh(dp=4) [0, 1, 2, 3] but ['b'] is on "
-        "Mesh(dp=2, tp=2) [[0, 1], [2, 3]]. Call {0}() once per mesh, or reshard the values "
-        "onto one mesh first."
+        "got values on different meshes: ['a'] is on Mesh(dp=4) over ranks [0, 1, 2, 3] but "
+        "['b'] is on Mesh(dp=2, tp=2) over ranks [[0, 1], [2, 3]]. Call {0}() once per mesh, "
+        "or reshard the values onto one mesh first."
     )
     with pytest.raises(ValueError, match=re.escape("gather() " + message.format("gather"))):
         ff.gather(tree)

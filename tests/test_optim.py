@@ -235,9 +235,10 @@ def test_scheduled_lr_through_chain_matches_lambda_lr(kind: str) -> None:
     out, state = _run(ours, params, grads)
     ref = _run_torch(make, params, grads, lr_lambda=lambda t: sched(t) / peak)
     _assert_rel(out, ref, params)
-    is_count = lambda x: isinstance(x, fo.ScaleByScheduleState)  # noqa: E731
+    # The scheduled rate's state: its count, and the rate of the last update (recorded).
+    is_count = lambda x: isinstance(x, fo.ScaleByLearningRateState)  # noqa: E731
     counts = [x for x in optree.tree_leaves(state, is_leaf=is_count) if is_count(x)]
-    assert counts == [fo.ScaleByScheduleState(STEPS)]
+    assert counts == [fo.ScaleByLearningRateState(STEPS, sched(STEPS - 1))]
 
 
 # --------------------------------------------------------------------------- purity

@@ -135,7 +135,8 @@ CASES_SIM = {
 
 def test_plan_comms_equal_the_real_step_on_simulated_meshes():
     """The planner's collectives and bytes are ``count_comms`` of the real ``train_step``
-    (clipped AdamW: the clip's own norm all-reduce included), case by case; for 4 blocks the
+    (clipped AdamW: one gradient-norm all-reduce, which the step computes and the clip
+    reuses), case by case; for 4 blocks the
     planner's 2- and 3-block runs, extrapolated, equal the 4-block step."""
     for name, case in CASES_SIM.items():
         with ff.simulated_mesh(case["mesh"]) as mesh:

@@ -172,6 +172,7 @@ def test_checkpoint_keys_carry_parameter_and_field_names(tmp_path):
         "opt_state.1.0.count",
         "opt_state.1.0.mu.layers.0.q.lora_A",
         "opt_state.1.0.nu.layers.0.q.lora_A",
+        "opt_state.1.2.learning_rate",  # recorded for metrics["lr"]
         "params.layers.0.q.base",
         "params.layers.0.q.lora_A",
         "rng",  # the random key (train_step's dropout)
@@ -193,7 +194,7 @@ def test_gloo_lora_llama_trains_only_adapters(pools):
     assert all("lora_" in n for n in r["trainable"]) and r["module_untouched"]
     assert r["frozen_bitwise"] and r["frozen_same_objects"]
     assert r["mu_keys"] == r["trainable"]
-    assert r["opt_state_leaves"] == 2 * len(r["trainable"]) + 1  # mu, nu, count
+    assert r["opt_state_leaves"] == 2 * len(r["trainable"]) + 2  # mu, nu, count, lr
     assert r["rs_bytes"] == [r["expected_rs_bytes"]] * W.STEPS, r
     assert r["loss_diff"] < 1e-5 and r["param_diff"] < 1e-5, r
 

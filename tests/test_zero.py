@@ -113,3 +113,24 @@ def test_gloo_bf16_with_fp32_masters_follows_the_fp32_run_and_checkpoints_keep_t
     assert len({r["vs_fp32"] for r in results.values()}) == 1, results
     same, resumed = pools.run(2, W.checkpoint_masters, "zero2")[0]
     assert same and resumed
+
+
+@pytest.mark.multiprocess
+def test_master_weights_pass_the_step_norm_to_a_clip_inside(pools):
+    """``master_weights(chain(clip_by_global_norm, adamw))`` all-reduces one gradient norm per
+    step, not two: the bf16 gradients widened to fp32 have the norm the step computed (same
+    values, same dtype), so it is passed on, and the run is bitwise the one whose clip
+    computes its own."""
+    r = pools.run(2, W.clipped_masters)[0]
+    assert r["clipped"]
+    assert r["passed/all_reduces"] == 2  # the loss's mean and the one gradient norm
+    assert r["own/all_reduces"] == 3
+    with torch.device("meta"):
+        model = GPT(W.CFG)
+    bf16 = ff.Policy(mixed_precision=W.BF16)
+    optimizer = W.clipped_masters_optimizer()
+    report = ff.plan(model, {"dp": 2}, batch=(W.BATCH, W.SEQ - 1), optimizer=optimizer, policy=bf16)
+    assert report.by_kind_and_axis()[("all_reduce", "dp")][0] == 2  # the planner runs the step
+    assert r["passed/norms"] == r["own/norms"]
+    for k, v in r["passed/masters"].items():
+        assert torch.equal(v, r["own/masters"][k]), k

@@ -19,6 +19,7 @@ positions, and the field names of NamedTuples (optimizer states). For a :class:`
                                         (``mu``/``nu``: Adam's moments, ``trace``:
                                         momentum, ``inner_state``: under ``masked``)
 ``opt_state.<i>.count``                 step counters of the transformations that keep one
+``opt_state.<i>.learning_rate``         the rate of the last update (recorded for reports)
 ``step``                                completed optimizer steps
 =====================================  ==================================================
 
@@ -41,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .._tree import NAMESPACE
+from ..optim.records import is_record
 from ..sharded import Sharded
 from . import _atomic
 
@@ -55,10 +57,20 @@ def _key(entry: Any) -> str:
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    keys, leaves, treedef, _ = _flatten_with_records(tree)
+    return keys, leaves, treedef
+
+
+def _flatten_with_records(
+    tree: Any,
+) -> tuple[list[str], list[Any], optree.PyTreeSpec, set[str]]:
+    """Keys, leaves and treedef of ``tree``, and the keys of the fields optimizer states
+    record for reports (see :mod:`functional_fsdp.optim.records`)."""
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(
         tree, is_leaf=lambda x: isinstance(x, Sharded), none_is_leaf=True, namespace=NAMESPACE
     )
     keys = [".".join(_key(e) for e in a) or "<root>" for a in accessors]
+    records = {k for k, a in zip(keys, accessors) if len(a) and is_record(a[-1])}
     seen: dict[str, int] = {}
     for i, key in enumerate(keys):
         if key in seen:
@@ -67,7 +79,7 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
                 f"{seen[key]} and {i}); rename one, e.g. a dict key that contains dots."
             )
         seen[key] = i
-    return keys, leaves, treedef
+    return keys, leaves, treedef, records
 
 
 def save(path: str | os.PathLike[str], tree: Any) -> None:
@@ -97,6 +109,11 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
     with ``like``'s spec and mesh (resharded as needed); other tensors and Python values come
     back as saved.
 
+    A checkpoint written before an optimizer state recorded a field for reports (the
+    learning rate of ``scale_by_learning_rate``, ``apply_if_finite``'s ``last_skipped``)
+    lacks it: the loaded state keeps the template's value until its next update records
+    one. Nothing but reports depends on these fields.
+
     With ``verify`` (the default) the commit marker must exist and every file must have its
     recorded size and CRC-32 before anything is read: the ranks split the hashing, so each
     reads about ``1/world`` of the checkpoint's bytes once more. ``verify=False`` reads a
@@ -114,16 +131,19 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
     """
     from torch.distributed.tensor import DTensor
 
-    keys, leaves, treedef = _flatten(like)
+    keys, leaves, treedef, records = _flatten_with_records(like)
     if verify:
         path = _atomic.verify(path)
     try:
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
     except Exception as e:  # a missing or truncated .metadata: OSError, UnpicklingError, ...
         raise _atomic.describe_error(path, e) from None
-    _check_template(os.fspath(path), keys, leaves, metadata)
+    kept = {k for k in records if k not in metadata}  # older checkpoints: the template's
+    _check_template(os.fspath(path), keys, leaves, {**metadata, **dict.fromkeys(kept)})
     state_dict: dict[str, Any] = {}
     for key, leaf in zip(keys, leaves):
+        if key in kept:
+            continue
         if isinstance(leaf, Sharded):
             dt = leaf.to_dtensor()
             local = torch.empty_like(dt.to_local())
@@ -142,6 +162,9 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
     _atomic.load_state_dict(path, state_dict)
     out = []
     for key, leaf in zip(keys, leaves):
+        if key in kept:  # a copy: the template is never written through the loaded state
+            out.append(leaf.clone() if isinstance(leaf, torch.Tensor) else leaf)
+            continue
         value = state_dict[key]
         out.append(Sharded.from_dtensor(value) if isinstance(leaf, Sharded) else value)
     return optree.tree_unflatten(treedef, out)

@@ -262,20 +262,19 @@ def load_safetensors(
         if wanted is not None and name not in wanted:
             continue
         found = stored_param(sm.module, name)
-        if found is not None and name.endswith("_nested"):
+        if found is not None and not found.is_weight:
             continue  # the quantization state is made with its weight
         key = _find(what, alias_names, rename_fn, stored, where)
         entry, p = stored[key], module_params[name]
         if found is not None:
-            fmt, layer, _ = found
-            shape = tuple(layer._ff_state.shape)
-            if entry.shape != shape and key + ".absmax" not in stored:  # else saved quantized
+            shape = tuple(found.format.dense(found.layer)[0])
+            if entry.shape != shape and not found.format.saved_quantized(key, stored):
                 raise ValueError(
                     f"{what}: {key!r} in {entry.file!r} has shape {entry.shape}, but the model's "
                     f"quantized layer {name!r} was {shape}. Check rename= and that the "
                     f"checkpoint belongs to this model's config."
                 )
-            quantized.append((name, key, fmt, layer))
+            quantized.append((name, key, found.format, found.layer))
             continue
         if entry.shape != tuple(p.shape):
             raise ValueError(

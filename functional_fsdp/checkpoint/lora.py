@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import os
 import shutil
@@ -247,17 +248,6 @@ def _merged(
     return make
 
 
-def _dequantized(fmt: Any, layer: Any, key: str) -> Callable[..., Any]:
-    """The full weight of a quantized layer from its gathered parameters."""
-    prefix = key[: -len("weight")]
-
-    def make(g: dict[str, torch.Tensor]) -> torch.Tensor:
-        mine = {k[len(prefix) :]: v for k, v in g.items() if k.startswith(prefix + "weight")}
-        return fmt.dequantize(layer, mine)
-
-    return make
-
-
 def export_merged(
     sm: Any,
     params: Mapping[str, Sharded],
@@ -307,13 +297,12 @@ def export_merged(
             make: Callable[..., Any] = operator.itemgetter(key)
             found = stored_param(sm.module, key)
             if found is not None:  # a quantized base: written dequantized (formats/)
-                fmt, layer, attr = found
-                if attr != "weight":
+                if not found.is_weight:
                     continue  # its quantization state: part of the weight's dequantization
-                state = layer._ff_state
-                shape, out_dtype = tuple(state.shape), dtype or state.dtype
-                needs = tuple(k for k in (key, key + "_nested") if k in params)
-                make = _dequantized(fmt, layer, key)
+                full_shape, full_dtype = found.format.dense(found.layer)
+                shape, out_dtype = tuple(full_shape), dtype or full_dtype
+                needs = tuple(k for k in found.names(key) if k in params)
+                make = functools.partial(found.dequantize, key)
             if key in merges:
                 a, b, scaling, transpose = merges[key]
                 weight_of = make

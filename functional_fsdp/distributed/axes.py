@@ -292,8 +292,11 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def check_axes(mesh: DeviceMesh, axes: Iterable[str], what: str, hint: str = "") -> None:
-    """Raise ``ValueError`` unless every name in ``axes`` is an axis of ``mesh``.
+def check_axes(
+    mesh: DeviceMesh | Mapping[str, int], axes: Iterable[str], what: str, hint: str = ""
+) -> None:
+    """Raise ``ValueError`` unless every name in ``axes`` is an axis of ``mesh`` (a mesh, or
+    its ``{axis: size}``): the one check of an axis name, wherever one is given.
 
     The message starts with ``what`` (the caller and the axis it was given), names the mesh,
     suggests the closest axis name, and ends with ``hint`` (what to pass instead) or, without
@@ -307,13 +310,56 @@ def check_axes(mesh: DeviceMesh, axes: Iterable[str], what: str, hint: str = "")
         ...
         ValueError: all_gather over 'pd': the mesh Mesh(dp=2) has no axis 'pd' (did you mean 'dp'?); name one of its axes ('dp',).
     """
-    sizes = axis_sizes(mesh)
+    sizes = dict(mesh) if isinstance(mesh, Mapping) else axis_sizes(mesh)
     for axis in axes:
         if axis not in sizes:
             raise ValueError(
                 f"{what}: the mesh {format_mesh(sizes)} has no axis {axis!r}"
                 f"{did_you_mean(axis, sizes)}; {hint or f'name one of its axes {tuple(sizes)}'}."
             )
+
+
+def data_axes_of(
+    mesh: DeviceMesh | Mapping[str, int],
+    data_axes: str | Iterable[str] | None,
+    where: str,
+    *,
+    model_axes: Iterable[str] = (Axis.TP.value,),
+    hint: str = "",
+) -> tuple[str, ...]:
+    """The mesh axes that split the batch (and over which gradients are reduced).
+
+    ``data_axes`` as given (a name or names), checked against the mesh; by default every
+    axis of the mesh but the model-parallel ones (``"tp"``), whose ranks share a batch. The
+    one place this default is written: ``ff.fsdp``, ``ff.local_batch`` and ``ff.plan`` ask it.
+    ``hint`` is added to the error's advice.
+
+    Example:
+        >>> data_axes_of({"dp": 2, "tp": 2}, None, "ff.fsdp")
+        ('dp',)
+        >>> data_axes_of({"dp": 2}, "pd", "ff.fsdp")
+        Traceback (most recent call last):
+        ...
+        ValueError: ff.fsdp(data_axes=('pd',)): the mesh Mesh(dp=2) has no axis 'pd' (did you mean 'dp'?); name the mesh axes that split the batch, some of ('dp',).
+    """
+    sizes = dict(mesh) if isinstance(mesh, Mapping) else axis_sizes(mesh)
+    if data_axes is None:
+        skip = set(model_axes)
+        return tuple(a for a in sizes if a not in skip)
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    check_axes(
+        sizes,
+        axes,
+        f"{where}(data_axes={axes})",
+        f"name the mesh axes that split the batch, some of {tuple(sizes)}{hint}",
+    )
+    return axes
+
+
+def same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether two values' meshes are one: the same object, or equal (the same ranks in the
+    same order, the same axis names). Meshes of the same sizes over other ranks differ."""
+    return a is b or a == b
 
 
 # --------------------------------------------------------------------------- simulations that ended

@@ -8,15 +8,29 @@ shard-wise loading. The engine sees ordinary frozen integer parameters: it shard
 over the data axes (rows, so blocks and their scales stay together), all-gathers the packed
 bytes per unit and frees them after use; nothing else in the engine knows about formats.
 
+The rest of the library asks a format only through :class:`Format` and :class:`Stored` (which
+parameter of a storage copy is its weight, the full weight's shape and dtype, whether a
+checkpoint holds it already quantized, its dequantization): no file outside this package
+knows a format's parameter names, state or serialisation.
+
 Registered: :mod:`~functional_fsdp.formats.bnb4` (bitsandbytes NF4/FP4, with or without double
-quantization). A second format (torchao's ``NF4Tensor``) is one more file and one line in
-:data:`FORMATS`.
+quantization). A second format is one more file and one line in ``_formats``. torchao's
+``NF4Tensor`` (torchtune's QLoRA) would be one: torchao 0.18.0 installs from PyPI, and its
+``to_nf4``/``linear_nf4`` quantize, dequantize and run forward and backward on CPU with torch
+2.13 (checked outside this repository's environment). It is not added yet: it is a tensor
+subclass built with ``_make_wrapper_subclass``, so its storage copy must rebuild the weight
+from plain gathered tensors without constructing the subclass inside a ``torch.func``
+transform (what broke bitsandbytes' ``Params4bit``); its double quantization needs the
+mean of all of a tensor's scalers (a collective, as for bitsandbytes) and a scaler count
+divisible by 256 per tensor; and no model in this repository's dependencies (torchtune is
+not one) holds ``NF4Tensor`` weights, so the tests would have to build one by hand. That is
+a file of the size of ``bnb4.py`` with its own tests, not a cheap addition.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -37,8 +51,24 @@ class Format(Protocol):
         """Raise a clear error for a layer of this family that is not supported."""
         ...
 
-    def storage(self, module: nn.Module) -> nn.Module:
-        """A shallow copy of ``module`` whose weight holds whole blocks, one per row."""
+    def dense(self, module: nn.Module) -> tuple[torch.Size, torch.dtype]:
+        """The shape and dtype of the full weight that storage copy ``module`` dequantizes to
+        (what a checkpoint holds unquantized, what an export writes)."""
+        ...
+
+    def saved_quantized(self, key: str, keys: Collection[str]) -> bool:
+        """Whether a checkpoint with ``keys`` holds the weight ``key`` already quantized
+        (this format's serialisation) rather than unquantized."""
+        ...
+
+    def replicated(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        """What storage copy ``module`` holds whole on every rank besides its parameters
+        (code tables): part of its bytes at rest (see :func:`replicated_bytes`)."""
+        ...
+
+    def storage(self, module: nn.Module, path: str) -> nn.Module:
+        """A shallow copy of ``module`` (at ``path``, for errors) whose weight holds whole
+        blocks, one per row. Never changes ``module``."""
         ...
 
     def load(
@@ -74,16 +104,59 @@ def is_stored(module: nn.Module) -> bool:
     return getattr(module, "_ff_format", None) is not None
 
 
-def stored_param(module: nn.Module, name: str) -> tuple[Format, nn.Module, str] | None:
-    """``(format, storage copy, attribute)`` when parameter ``name`` of ``module`` belongs to
-    a storage copy (its packed weight or quantization state); else ``None``."""
+class Stored(NamedTuple):
+    """A parameter of a storage copy. The copy's ``weight`` is the packed rows; its other
+    parameters (if any) are quantization state, loaded, dequantized and exported with it."""
+
+    format: Format
+    layer: nn.Module  # the storage copy
+    attr: str  # the parameter's attribute on it
+
+    @property
+    def is_weight(self) -> bool:
+        return self.attr == "weight"
+
+    def names(self, name: str) -> tuple[str, ...]:
+        """All the copy's parameter names, weight first, from ``name`` (one of them)."""
+        prefix = name[: len(name) - len(self.attr)]
+        attrs = sorted(a for a, p in self.layer._parameters.items() if p is not None)
+        return tuple(prefix + a for a in sorted(attrs, key=lambda a: a != "weight"))
+
+    def dequantize(self, name: str, gathered: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The full weight from ``gathered`` (by parameter name, holding :meth:`names`)."""
+        prefix = name[: len(name) - len(self.attr)]
+        mine = {n[len(prefix) :]: gathered[n] for n in self.names(name) if n in gathered}
+        return self.format.dequantize(self.layer, mine)
+
+
+def stored_param(module: nn.Module, name: str) -> Stored | None:
+    """:class:`Stored` when parameter ``name`` of ``module`` belongs to a storage copy (its
+    packed weight or quantization state); else ``None``."""
     path, _, attr = name.rpartition(".")
     try:
         layer = module.get_submodule(path) if path else module
     except AttributeError:
         return None
     fmt = getattr(layer, "_ff_format", None)
-    return None if fmt is None else (fmt, layer, attr)
+    return None if fmt is None else Stored(fmt, layer, attr)
+
+
+def replicated_bytes(module: nn.Module) -> int:
+    """Bytes every rank holds whole for the storage copies in ``module`` besides their
+    parameters (each tensor once: layers may share a code table).
+
+    Example:
+        >>> import torch
+        >>> replicated_bytes(torch.nn.Linear(2, 2))  # nothing quantized
+        0
+    """
+    seen: dict[int, int] = {}
+    for m in module.modules():
+        fmt = getattr(m, "_ff_format", None)
+        if fmt is not None:
+            for t in fmt.replicated(m):
+                seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def quantized_layers(module: nn.Module) -> dict[str, Format]:
@@ -132,7 +205,7 @@ def storage_view(module: nn.Module, wrappers: Sequence[tuple[str, Any]] = ()) ->
         return module
     copies: dict[str, nn.Module] = {}
     for path, fmt in layers.items():
-        copies[path] = fmt.storage(_get(module, path))
+        copies[path] = fmt.storage(_get(module, path), path)
     return _rebuild(module, "", copies)
 
 
@@ -157,8 +230,10 @@ def _rebuild(module: nn.Module, path: str, copies: dict[str, nn.Module]) -> nn.M
 
 __all__ = [
     "Format",
+    "Stored",
     "is_stored",
     "quantized_layers",
+    "replicated_bytes",
     "shallow_copy",
     "storage_view",
     "stored_param",

@@ -8,17 +8,27 @@ block's packed bytes followed by its absmax's ``w`` bytes (4, or 1 when double-q
 Sharding rows over the data axes shards the blocks with their scales. With double quantization
 the copy has a second frozen uint8 parameter, ``weight_nested``: the float32 offset followed by
 the nested absmax (4 bytes per 256 blocks), sharded and gathered like any other. The two code
-tables (16 and 256 floats, the same for every layer) stay replicated on the copy.
+tables (16 and 256 floats, the same for every layer) stay replicated on the copy, and count
+in the bytes at rest (:func:`~functional_fsdp.formats.replicated_bytes`, ``ff.plan``).
 
 In forward, the gathered rows are split and fed to bitsandbytes' own ``gemm_4bit`` kernel (the
 one ``bnb.matmul_4bit`` calls), so outputs are bitwise those of the bitsandbytes layer; the
 backward dequantizes again with ``dequantize_4bit`` from the same rows (regathered by the
-engine after a reshard), as bitsandbytes' ``MatMul4Bit`` does. Nothing is saved but the
-packed rows, and the weight gets no gradient.
+engine after a reshard), as bitsandbytes' ``MatMul4Bit`` does, but straight into the compute
+dtype (as bitsandbytes' forward kernel does) where ``MatMul4Bit`` dequantizes in the dtype the
+weight was quantized from and casts: one full weight of 2 bytes per value in a bf16 step, not
+4 + 2 for a base quantized from fp32. Its CPU kernel computes each value in fp32 and rounds
+once, so the gradients are bitwise bitsandbytes' (tested). Nothing is saved but the packed
+rows, and the weight gets no gradient.
+
+A layer that bitsandbytes repacked for CPU inference (its first forward in eval mode, without
+gradients, on a CPU with avx512_bf16) is read back in the standard layout without changing
+the user's layer; :func:`standard_layout` says what of it is exact.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from collections.abc import Callable, Collection
@@ -83,10 +93,9 @@ class State:
         """Bytes of ``weight_nested``: the offset and one nested absmax per 256 blocks."""
         return 4 * (1 + -(self.blocks // -256)) if self.nested else 0
 
-    def replicated_bytes(self) -> int:
-        """Bytes held whole on every rank: the code tables."""
-        parts = [self.code, self.nested_code]
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        """What every rank holds whole: the code tables (64 bytes, and 1 KiB if nested)."""
+        return tuple(t for t in (self.code, self.nested_code) if t is not None)
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(packed [packed_len, 1] uint8, absmax [blocks])`` from gathered rows."""
@@ -96,9 +105,11 @@ class State:
         absmax = scales.reshape(-1) if self.nested else scales.view(torch.float32).reshape(-1)
         return packed, absmax
 
-    def quant_state(self, absmax: torch.Tensor, nested: torch.Tensor | None) -> Any:
+    def quant_state(
+        self, absmax: torch.Tensor, nested: torch.Tensor | None, dtype: torch.dtype | None = None
+    ) -> Any:
         """bitsandbytes' ``QuantState`` for this layer from gathered absmax and
-        ``weight_nested`` bytes."""
+        ``weight_nested`` bytes (dequantizing to ``dtype``, default :attr:`dtype`)."""
         from bitsandbytes.functional import QuantState
 
         state2 = offset = None
@@ -114,17 +125,20 @@ class State:
             code=self.code,
             blocksize=self.blocksize,
             quant_type=self.quant_type,
-            dtype=self.dtype,
+            dtype=dtype or self.dtype,
             offset=offset,
             state2=state2,
         )
 
-    def dequantize(self, rows: torch.Tensor, nested: torch.Tensor | None) -> torch.Tensor:
-        """The full weight from gathered rows, with bitsandbytes' ``dequantize_4bit``."""
+    def dequantize(
+        self, rows: torch.Tensor, nested: torch.Tensor | None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The full weight from gathered rows, with bitsandbytes' ``dequantize_4bit``, in
+        ``dtype`` (default :attr:`dtype`)."""
         import bitsandbytes.functional as F
 
         packed, absmax = self.split(rows)
-        return F.dequantize_4bit(packed, self.quant_state(absmax, nested))
+        return F.dequantize_4bit(packed, self.quant_state(absmax, nested, dtype))
 
 
 def pack_rows(packed: torch.Tensor, absmax: torch.Tensor, state: State) -> torch.Tensor:
@@ -157,6 +171,50 @@ def state_of(quant_state: Any) -> State:
         nested=nested,
         nested_code=quant_state.state2.code if nested else None,
     )
+
+
+def standard_layout(packed: torch.Tensor, quant_state: Any, path: str) -> tuple[torch.Tensor, Any]:
+    """``(packed, QuantState)`` in bitsandbytes' standard layout, from a layer repacked for CPU
+    inference (``quant_state.packing_format_for_cpu``), leaving the layer as it is.
+
+    bitsandbytes repacks a ``Linear4bit`` in place on its first forward in eval mode without
+    gradients on a CPU with avx512_bf16: the 4-bit codes are reordered into tiles, the absmax
+    is transposed to ``[in / blocksize, out]`` and rounded to bfloat16, and a double-quantized
+    absmax is dequantized first. The inverse, bitsandbytes' own
+    ``_convert_weight_packed_for_cpu_inverse``, runs on a copy of the ``QuantState`` (it
+    rebinds the state's fields).
+
+    What is exact:
+
+    - the packed codes: the tiling is a permutation of nibbles, undone bitwise;
+    - without double quantization, the absmax: the bfloat16 values the repacked layer now
+      computes with, in float32. The float32 values from before the repacking are gone: the
+      layer differs from the one ``from_pretrained`` returned by that bfloat16 rounding (at
+      most 2**-9 relative per block);
+    - with double quantization, the absmax is quantized again to 8-bit codes with a new
+      offset, as bitsandbytes does when it saves the repacked layer or moves it to a GPU:
+      bitwise those bytes, but lossy twice (the bfloat16 rounding, then the 8-bit codes), so
+      neither the layer before the repacking nor the values the repacked layer computes with.
+
+    Raises:
+        ValueError: naming the layer, when this bitsandbytes has no inverse.
+    """
+    import bitsandbytes.functional as F
+
+    inverse = getattr(F, "_convert_weight_packed_for_cpu_inverse", None)
+    if inverse is None:
+        raise ValueError(
+            f"{path or 'the model'} (Linear4bit, {tuple(quant_state.shape)}) was repacked by "
+            f"bitsandbytes for CPU inference (its first forward ran in eval mode without "
+            f"gradients on a CPU with avx512_bf16), and this bitsandbytes cannot convert it "
+            f"back (no bitsandbytes.functional._convert_weight_packed_for_cpu_inverse). Put "
+            f"the model in training mode (model.train()) before any forward, or load it again."
+        )
+    packed, state = inverse(packed.detach(), copy.copy(quant_state))
+    if not state.nested:  # bitsandbytes 0.50 leaves this absmax transposed, in bfloat16
+        absmax = state.absmax
+        state.absmax = (absmax.T if absmax.dim() == 2 else absmax).reshape(-1).float()
+    return packed, state
 
 
 def nested_bytes(offset: torch.Tensor, nested_absmax: torch.Tensor) -> torch.Tensor:
@@ -210,8 +268,8 @@ class _Matmul4bit(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         rows, nested = ctx.saved_tensors
         grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad, ctx.state.dequantize(rows, nested).to(grad.dtype))
+        if ctx.needs_input_grad[0]:  # dequantized straight to the compute dtype: see above
+            grad_x = torch.matmul(grad, ctx.state.dequantize(rows, nested, grad.dtype))
         if ctx.needs_input_grad[3]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
         return grad_x, None, None, grad_bias, None
@@ -278,11 +336,23 @@ class Bnb4:
                 f"layer, which functional_fsdp cannot shard: {HELP_8BIT}"
             )
 
-    def storage(self, module: nn.Module) -> nn.Module:
-        """The storage copy. A quantized layer keeps its bytes; one on ``meta`` (e.g. from
-        ``replace_with_bnb_linear`` on a meta model) gets ``meta`` rows, to be loaded
-        shard-wise; an unquantized one with values is quantized here, as bitsandbytes would
-        when moving it to a device."""
+    def dense(self, module: nn.Module) -> tuple[torch.Size, torch.dtype]:
+        state: State = module._ff_state  # type: ignore[assignment]
+        return state.shape, state.dtype
+
+    def saved_quantized(self, key: str, keys: Collection[str]) -> bool:
+        return key + ".absmax" in keys  # bitsandbytes' serialisation: weight.absmax, ...
+
+    def replicated(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        state: State = module._ff_state  # type: ignore[assignment]
+        return state.tables()
+
+    def storage(self, module: nn.Module, path: str = "") -> nn.Module:
+        """The storage copy. A quantized layer keeps its bytes (read back in the standard
+        layout if bitsandbytes repacked it for CPU inference: :func:`standard_layout`); one
+        on ``meta`` (e.g. from ``replace_with_bnb_linear`` on a meta model) gets ``meta``
+        rows, to be loaded shard-wise; an unquantized one with values is quantized here, as
+        bitsandbytes would when moving it to a device."""
         import bitsandbytes.functional as F
 
         weight = module.weight
@@ -310,6 +380,10 @@ class Bnb4:
                 )
             else:
                 packed = weight.as_subclass(torch.Tensor).detach()
+                if getattr(qs, "packing_format_for_cpu", False):
+                    packed, qs = standard_layout(packed, qs, path)
+            if packed.dtype != torch.uint8:  # bnb_4bit_quant_storage: the same bytes
+                packed = packed.contiguous().view(torch.uint8)
             state = state_of(qs)
             rows = pack_rows(packed, qs.absmax, state)
             nested = nested_bytes(qs.offset, qs.state2.absmax) if state.nested else None
@@ -338,7 +412,7 @@ class Bnb4:
         if name.endswith("_nested"):
             return {}  # made with the weight
         state: State = module._ff_state  # type: ignore[assignment]
-        if key + ".absmax" in keys:
+        if self.saved_quantized(key, keys):
             return load_saved(sm, name, state, key, keys, read)
         want = dtype or state.dtype
         return load_layer(sm, name, state, lambda a, b: read(key, a, b).to(want))

@@ -24,9 +24,9 @@ at every step of this; ``count_comms`` shows the collectives.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import fnmatch
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +37,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._partition import mark_frozen
-from ..distributed.mesh import axis_names, axis_sizes, check_mesh, describe_mesh
+from ..distributed.axes import data_axes_of, same_mesh
+from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import is_shapes_only
 from ..formats import storage_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
-from ..spec import P, did_you_mean, format_mesh
-from . import runtime
+from ..spec import P, format_mesh
+from . import runtime, step_inputs
 from .layout import ModelLayout, model_layout
 from .materialize import init_sharded
 from .policy import (
@@ -57,18 +58,13 @@ from .policy import (
 
 TrainableArg = Collection[str] | Callable[[str], bool] | None
 
-# FSDP objects inside their no_sync() block, in this thread / task (read once per apply).
-_UNSYNCED: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "functional_fsdp_unsynced", default=frozenset()
-)
-
 
 @dataclass(frozen=True, eq=False)
 class FSDP:
-    """A module's sharding: specs, units and policy, and the plan built from them.
+    """A module's sharding: specs, units and policy, and the layout built from them.
 
     Build it with :func:`fsdp`. It is immutable: ``dataclasses.replace(sharded_model,
-    policy=...)`` gives a new description with its own plan.
+    policy=...)`` gives a new description with its own layout.
 
     Attributes:
         module: the ``nn.Module`` (never modified).
@@ -82,7 +78,9 @@ class FSDP:
             copy (tensor-parallel styles use this).
         trainable_override: the names of the trainable parameters, or a predicate on the
             name; ``None``: those with ``requires_grad`` (read when :attr:`trainable` is).
-        plan: the plan (derived; never passed).
+        layout: the :class:`~functional_fsdp.fsdp.layout.ModelLayout`: units, each
+            parameter's layout, the bucketed gather rounds (derived; never passed). Its old
+            name ``plan`` still reads, with a ``DeprecationWarning``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -101,10 +99,10 @@ class FSDP:
     specs: Specs
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = ()
     trainable_override: TrainableArg = None
-    plan: ModelLayout = field(init=False, repr=False)
+    layout: ModelLayout = field(init=False, repr=False)
     _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
     _sizes: dict[str, int] = field(init=False, repr=False)
-    _other_plans: dict[tuple[P, ...], ModelLayout] = field(init=False, repr=False)
+    _other_layouts: dict[tuple[P, ...], ModelLayout] = field(init=False, repr=False)
     _complex: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,13 +115,24 @@ class FSDP:
         paths = optree.tree_paths(params, none_is_leaf=True)  # type: ignore[arg-type]
         resolved = dict(zip((p[0] for p in paths), resolve_specs(params, self.specs)))
         object.__setattr__(self, "_sizes", sizes)
-        object.__setattr__(self, "_other_plans", {})
-        object.__setattr__(self, "plan", self._make_plan({n: resolved[n] for n in params}))
+        object.__setattr__(self, "_other_layouts", {})
+        object.__setattr__(self, "layout", self._make_layout({n: resolved[n] for n in params}))
         object.__setattr__(
             self, "_modules", tuple(self.module.named_modules(remove_duplicate=False))
         )
 
-    def _make_plan(self, specs: dict[str, P | None]) -> ModelLayout:
+    @property
+    def plan(self) -> ModelLayout:
+        """Deprecated name of :attr:`layout` ("plan" is ``ff.plan``'s report)."""
+        warnings.warn(
+            "FSDP.plan is now FSDP.layout (the model's ModelLayout); 'plan' names ff.plan's "
+            "report.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.layout
+
+    def _make_layout(self, specs: dict[str, P | None]) -> ModelLayout:
         return model_layout(
             self.module,
             self._sizes,
@@ -160,9 +169,10 @@ class FSDP:
 
         Equivalent to ``Policy(grad_reduce="none")`` for the calls made inside the block (in
         this thread or task only; nothing is stored on the object). For gradient
-        accumulation with parameters already gathered over the data axes
-        (``train_step(accumulate_mode="local")`` does this): each rank's gradients stay
-        local until the caller reduces them once. Differentiated parameters still sharded
+        accumulation with parameters already gathered over the data axes: each rank's
+        gradients stay local until the caller reduces them once (what
+        ``train_step(accumulate_mode="local")`` does, through the same per-step inputs,
+        :mod:`functional_fsdp.fsdp.step_inputs`). Differentiated parameters still sharded
         over a data axis raise, since their gradient could not be returned unreduced.
 
         Example:
@@ -176,15 +186,12 @@ class FSDP:
             ...     comms.count()
             0
         """
-        token = _UNSYNCED.set(_UNSYNCED.get() | {id(self)})
-        try:
+        with step_inputs.given(self, reduce=False):
             yield
-        finally:
-            _UNSYNCED.reset(token)
 
     def param_specs(self) -> dict[str, P]:
         """``{parameter name: P}`` for the module's parameters (tied ones once)."""
-        return dict(self.plan.specs)
+        return dict(self.layout.specs)
 
     def shard(self, params: dict[str, torch.Tensor] | None = None) -> dict[str, Sharded]:
         """Shard the module's parameters (or ``params``, a ``{name: tensor}`` dict).
@@ -238,14 +245,15 @@ class FSDP:
         ``torch.func.functional_call``; buffers are never sharded. Python control flow that
         skips a unit must agree on every rank (its collectives are skipped too).
         """
-        plan = self._plan_for(params)
+        layout = self._layout_for(params)
+        given = step_inputs.inputs_for(self)  # what a train_step tells this call, if any
         policy = self.policy
-        if id(self) in _UNSYNCED.get():
+        if not given.reduce:
             policy = dataclasses.replace(policy, grad_reduce="none")
         if self._complex and policy.grad_reduce != "none":
             self._check_complex(params)
         return runtime.run(
-            plan,
+            layout,
             self._modules,
             self.mesh,
             self._sizes,
@@ -256,11 +264,12 @@ class FSDP:
             args,
             kwargs,
             buffers,
+            replicas=given.replicas,
         )
 
-    def _plan_for(self, params: Any) -> ModelLayout:
-        """Check ``params`` against the module; the plan for their layout."""
-        expected = self.plan.expected
+    def _layout_for(self, params: Any) -> ModelLayout:
+        """Check ``params`` against the module; the model's layout for theirs."""
+        expected = self.layout.expected
         other = False
         if not isinstance(params, dict):
             raise TypeError(
@@ -285,7 +294,7 @@ class FSDP:
                     f"FSDP.apply takes Sharded values (use FSDP.shard(), or "
                     f"ff.shard(params, mesh, P()) to replicate)."
                 )
-            if v.mesh is not self.mesh and v.mesh != self.mesh:
+            if not same_mesh(v.mesh, self.mesh):
                 raise ValueError(
                     f"params[{name!r}] lives on {describe_mesh(v.mesh)}, but this FSDP runs on "
                     f"{describe_mesh(self.mesh)}. Shard the parameters on this FSDP's mesh "
@@ -314,16 +323,16 @@ class FSDP:
             if v.spec != spec and v.spec.padded(len(shape)) != spec:
                 other = True
         if not other:
-            return self.plan
+            return self.layout
         # Another layout (e.g. gathered over the data axes for local accumulation): its own
-        # plan, built once per layout. The plan is a pure function of the layout and of this
+        # ModelLayout, built once per layout. It is a pure function of the layout and of this
         # (immutable) object, so remembering it changes no result.
         key = tuple(params[n].spec.padded(len(shape)) for n, (shape, _, _) in expected.items())
-        plan = self._other_plans.get(key)
-        if plan is None:
-            plan = self._make_plan(dict(zip(expected, key)))
-            self._other_plans[key] = plan
-        return plan
+        layout = self._other_layouts.get(key)
+        if layout is None:
+            layout = self._make_layout(dict(zip(expected, key)))
+            self._other_layouts[key] = layout
+        return layout
 
     def _check_complex(self, params: dict[str, Sharded]) -> None:
         """Complex gradients cannot be reduced: c10d's functional collectives (gloo, NCCL)
@@ -418,18 +427,7 @@ def fsdp(
             f"the model itself, e.g. ff.fsdp(model, mesh)."
         )
     check_mesh(mesh, "ff.fsdp(module, mesh)")
-    names = axis_names(mesh)
-    if data_axes is None:
-        data_axes = tuple(a for a in names if a != "tp")
-    elif isinstance(data_axes, str):
-        data_axes = (data_axes,)
-    unknown = [a for a in data_axes if a not in names]
-    if unknown:
-        raise ValueError(
-            f"ff.fsdp(data_axes={tuple(data_axes)}): {unknown[0]!r} is not an axis of "
-            f"{format_mesh(axis_sizes(mesh))}{did_you_mean(unknown[0], names)}. Name the mesh "
-            f"axes that split the batch, some of {names}."
-        )
+    data_axes = data_axes_of(mesh, data_axes, "ff.fsdp")
     # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/).
     module = storage_view(module, wrappers)
     if trainable is not None:

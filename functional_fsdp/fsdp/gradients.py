@@ -10,8 +10,8 @@ A trainable parameter's gradient is reduced over every data-parallel mesh axis:
 Model axes (tp) get nothing from the library: the tensor-parallel collectives in the forward
 already make those gradients right. Frozen parameters get no gradient and no reduction.
 
-Everything that reduces gradients asks here: the unit plans (:func:`.plan.make_plan` and
-the ZeRO unit of :mod:`.zero`), :meth:`.units.Unit.reduce` (its divisor) and
+Everything that reduces gradients asks here: the unit layouts (:func:`.layout.model_layout`
+and the ZeRO unit of :mod:`.zero`), :meth:`.units.Unit.reduce` (its divisor) and
 ``train_step(accumulate_mode="local")`` (:func:`to_compute_layout`, the whole model at once).
 """
 

@@ -21,12 +21,10 @@ them (without Python's cycle collector).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +33,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._modules import copy_tree
-from ..distributed import collectives as C
-from ..distributed.axes import mesh_device as mesh_device
-from ..distributed.simulate import is_simulated
 from .functions import (
     Checkpoint,
     PostBackward,
@@ -55,24 +50,6 @@ from .policy import ModuleWrapper, Policy
 from .units import Call, CallState, Context
 
 Slot = tuple["weakref.ReferenceType[nn.Module]", str]  # (module copy, attribute name)
-
-# ZeRO-1/2 (train_step): {id of a differentiated shard: the full value held at rest}. A unit
-# whose gathered parameters all have one computes with those instead of all-gathering; its
-# backward still reduce-scatters onto the shards. Set only around a step's loss function.
-_REPLICAS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "functional_fsdp_replicas", default=None
-)
-
-
-@contextlib.contextmanager
-def replicas(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Inside the block, ``apply`` computes with ``full`` for a parameter whose shard is
-    ``shard`` (``(shard, full)`` pairs; the shard object itself, as passed to ``apply``)."""
-    token = _REPLICAS.set({**(_REPLICAS.get() or {}), **{id(s): f for s, f in pairs}})
-    try:
-        yield
-    finally:
-        _REPLICAS.reset(token)
 
 
 def copy_modules(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, nn.Module]:
@@ -139,7 +116,7 @@ class _Forward:
 
 
 def run(
-    plan: ModelLayout,
+    layout: ModelLayout,
     modules: Sequence[tuple[str, nn.Module]],
     mesh: DeviceMesh,
     sizes: dict[str, int],
@@ -150,23 +127,18 @@ def run(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     buffers: dict[str, torch.Tensor] | None,
+    *,
+    replicas: Mapping[int, torch.Tensor],
 ) -> Any:
-    """Run the module of ``plan`` on ``args``/``kwargs`` with the sharded ``params``.
+    """Run the module of ``layout`` on ``args``/``kwargs`` with the sharded ``params``.
 
     ``modules`` is the module's ``named_modules(remove_duplicate=False)``; ``params`` were
-    checked against the plan by the caller.
+    checked against the layout by the caller. ``replicas`` (ZeRO-1/2, from the step): full
+    values to compute with instead of all-gathering, by the id of a local shard in ``params``
+    (see :class:`~functional_fsdp.fsdp.step_inputs.StepInputs`).
     """
-    ctx = Context(
-        mesh=mesh,
-        sizes=sizes,
-        policy=policy,
-        data_axes=data_axes,
-        counters=C.active_counters(),
-        trackers=active_trackers(),
-        simulated=is_simulated(),
-        device=mesh_device(mesh),
-    )
-    state = CallState(plan, ctx, params, _REPLICAS.get())
+    ctx = Context.for_call(mesh, sizes, policy, data_axes, trackers=active_trackers())
+    state = CallState(layout, ctx, params, replicas)
     if not ctx.simulated and not torch.is_anomaly_enabled():
         # One fence over every differentiated shard, before any gather (see ReduceFence).
         # Only those: an autograd.Function's outputs all require grad when one input does.
@@ -174,12 +146,12 @@ def run(
         state.fenced(ReduceFence.apply(state.in_flight, *live) if live else ())
 
     copies = copy_modules(modules)
-    _recompute_with_own_params(copies)
+    _recompute_with_own_params(copies, state)
     slots = {
         name: [[_slot(copies, a) for a in aliases] for aliases in up.aliases]
-        for name, up in plan.units.items()
+        for name, up in layout.units.items()
     }
-    for alias, meta in plan.placeholders.items():
+    for alias, meta in layout.placeholders.items():
         ref, attr = _slot(copies, alias)
         ref()._parameters[attr] = meta  # type: ignore[union-attr,assignment]
     if buffers:
@@ -188,7 +160,7 @@ def run(
     by_path: dict[str, list[ModuleWrapper]] = {}
     for path, wrapper in wrappers:  # inner wrappers first (tensor-parallel styles)
         by_path.setdefault(path, []).append(wrapper)
-    for path in {*by_path, *plan.order}:
+    for path in {*by_path, *layout.order}:
         module = copies[path]
         unit = (
             functools.partial(_unit_forward, state, slots, path) if path in state.position else None
@@ -239,7 +211,7 @@ def _unit_forward(
     use_ckpt = ckpt(name) if callable(ckpt) else bool(ckpt)
     call = state.begin(name)
     unit = call.unit
-    if not unit.differentiated and unit.plan.rounds:
+    if not unit.differentiated and unit.layout.rounds:
         # No gather backward will free this unit's parameters after its backward.
         (a, kw), _ = attach(PostBackward, (a, kw), lambda: call.free("backward"))
     tensors = _gather(call)
@@ -249,15 +221,15 @@ def _unit_forward(
     if mp.cast_forward_inputs:
         a, kw = cast_floating((a, kw), mp.param_dtype)
     where = slots[name]
-    placeholders = state.plan.placeholders
+    placeholders = state.layout.placeholders
     if use_ckpt:
-        out = _checkpointed(inner, where, tensors, unit.plan, placeholders, a, kw)
+        out = _checkpointed(state, inner, where, tensors, unit.layout, placeholders, a, kw)
     else:
         _set(where, tensors)
         try:
             out = inner(*a, **kw)
         finally:
-            _restore(where, unit.plan, placeholders)
+            _restore(where, unit.layout, placeholders)
     if policy.reshard_after_forward:
         call.free("forward")
         out, call.hooked = attach(PreBackward, out, state.backward_hook(call, call.position))
@@ -275,6 +247,7 @@ def _restore(
 
 
 def _checkpointed(
+    state: CallState,
     inner: Callable[..., Any],
     where: list[list[Slot]],
     params: list[torch.Tensor],
@@ -287,11 +260,11 @@ def _checkpointed(
 
     def run(ps: list[torch.Tensor], a: Any, kw: Any) -> Any:
         _set(where, ps)
-        token = _IN_UNIT_CHECKPOINT.set(True)
+        state.checkpointing += 1  # its forward, or its recompute in backward
         try:
             return inner(*a, **kw)
         finally:
-            _IN_UNIT_CHECKPOINT.reset(token)
+            state.checkpointing -= 1
             _restore(where, up, placeholders)
 
     def fn(*flat: Any) -> Any:  # the recompute: rebuilt from the leaves
@@ -301,24 +274,22 @@ def _checkpointed(
     return replay.output(Checkpoint.apply(replay, *leaves))
 
 
-def _recompute_with_own_params(copies: dict[str, nn.Module]) -> None:
+def _recompute_with_own_params(copies: dict[str, nn.Module], state: CallState) -> None:
     """Hugging Face gradient checkpointing (``self._gradient_checkpointing_func(partial(
     forward, self), ...)``, i.e. ``torch.utils.checkpoint``) recomputes a layer in backward,
     when the copies hold placeholders again: on the copies (never on the user's module), its
-    checkpoint function runs the recompute with the parameters the layer had in forward."""
+    checkpoint function runs the recompute with the parameters the layer had in forward.
+    Inside a unit that the policy checkpoints (``state.checkpointing``), it runs the layer
+    plainly: a Hugging Face checkpoint there would only recompute again, and torch's cannot
+    run inside the recompute."""
     for c in {id(c): c for c in copies.values()}.values():
         func = c.__dict__.get("_gradient_checkpointing_func")
         if callable(func):
             c.__dict__["_gradient_checkpointing_func"] = functools.partial(
-                _checkpoint_with_params, func, weakref.ref(c)
+                _checkpoint_with_params, state, func, weakref.ref(c)
             )
 
 
-# Inside a unit that the policy checkpoints (its forward and its recompute): a Hugging Face
-# checkpoint there would only recompute again, and torch's cannot run inside the recompute.
-_IN_UNIT_CHECKPOINT: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "functional_fsdp_in_unit_checkpoint", default=False
-)
 _CHECKPOINT_OPTIONS = frozenset(
     {
         "use_reentrant",
@@ -332,13 +303,14 @@ _CHECKPOINT_OPTIONS = frozenset(
 
 
 def _checkpoint_with_params(
+    state: CallState,
     checkpoint: Callable[..., Any],
     owner: weakref.ReferenceType[nn.Module],
     function: Callable[..., Any],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    if _IN_UNIT_CHECKPOINT.get():
+    if state.checkpointing:
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_OPTIONS})
     module = owner()
     held = [(m, dict(m._parameters)) for m in module.modules()] if module is not None else []

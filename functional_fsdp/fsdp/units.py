@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._buckets import issue_gather, pack_grads, unpack_gathered, unpack_reduced
 from ..distributed import checks
 from ..distributed import collectives as C
+from ..distributed.axes import mesh_device
+from ..distributed.simulate import is_simulated
 from .gradients import mean_divisor
 from .layout import ModelLayout, Round, UnitLayout, gather_dtype
 from .memory import EventKind, MemoryTracker, Phase
@@ -47,6 +49,29 @@ class Context:
     trackers: tuple[MemoryTracker, ...]
     simulated: bool
     device: torch.device  # where units are gathered and computed (the mesh's device)
+
+    @classmethod
+    def for_call(
+        cls,
+        mesh: DeviceMesh,
+        sizes: dict[str, int],
+        policy: Policy,
+        data_axes: tuple[str, ...],
+        *,
+        trackers: tuple[MemoryTracker, ...] = (),
+    ) -> Context:
+        """The context of a call starting now: the ``count_comms`` blocks open here record
+        its collectives; ``trackers`` (``track_memory``) its units' gathered memory."""
+        return cls(
+            mesh=mesh,
+            sizes=sizes,
+            policy=policy,
+            data_axes=data_axes,
+            counters=C.active_counters(),
+            trackers=trackers,
+            simulated=is_simulated(),
+            device=mesh_device(mesh),
+        )
 
     @property
     def sync(self) -> bool:
@@ -97,9 +122,9 @@ class Unit:
     """
 
     def __init__(
-        self, plan: UnitLayout, ctx: Context, shards: list[torch.Tensor], in_flight: InFlight
+        self, layout: UnitLayout, ctx: Context, shards: list[torch.Tensor], in_flight: InFlight
     ):
-        self.plan, self.ctx = plan, ctx
+        self.layout, self.ctx = layout, ctx
         self.shards = shards  # the locals, as passed to the gather (maybe torch.func-wrapped)
         # Reductions in flight, shared by the units of one apply: finished by the next
         # unit's backward (one in flight at a time), by the fence, or at the end of backward.
@@ -116,18 +141,20 @@ class Unit:
 
     def note(self, kind: EventKind, phase: Phase, key: int, replaces: int | None = None) -> None:
         for tracker in self.ctx.trackers:
-            tracker._record(kind, self.plan.name, phase, self.plan.gathered_bytes, key, replaces)
+            tracker._record(
+                kind, self.layout.name, phase, self.layout.gathered_bytes, key, replaces
+            )
 
     def gather_dtype(self, t: torch.Tensor) -> torch.dtype:
         return gather_dtype(t.dtype, self.ctx.policy.mixed_precision.param_dtype)
 
     def prefetch(self, phase: Phase) -> None:
         """Issue the first-round all-gathers asynchronously (no wait)."""
-        if self.prefetched or not self.plan.rounds or self.replicas is not None:
+        if self.prefetched or not self.layout.rounds or self.replicas is not None:
             return
         plain = [_plain(s) for s in self.shards]
         with torch.no_grad(), torch._C._DisableFuncTorch():
-            for r, rnd in enumerate(self.plan.rounds):
+            for r, rnd in enumerate(self.layout.rounds):
                 if rnd.first:
                     inputs = [self.ctx.to_device(plain[p.index]) for p in rnd.pieces]
                     self.prefetched[r] = self._issue(r, [t.to(rnd.dtype) for t in inputs])
@@ -143,9 +170,9 @@ class Unit:
 
     def _issue(self, r: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order)."""
-        plan, ctx = self.plan, self.ctx
+        layout, ctx = self.layout, self.ctx
         return issue_gather(
-            inputs, ctx.mesh, plan.rounds[r], counters=ctx.counters, meta=plan.labels[r]
+            inputs, ctx.mesh, layout.rounds[r], counters=ctx.counters, meta=layout.labels[r]
         )
 
     def gather(
@@ -157,7 +184,7 @@ class Unit:
         the shards themselves where nothing is gathered. ``into`` gives the padded full
         tensors to write (the regather in backward); otherwise they are allocated.
         """
-        plan = self.plan
+        layout = self.layout
         current = [self.ctx.to_device(s) for s in shards]
         current = [
             s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in current
@@ -168,7 +195,7 @@ class Unit:
                 if rep is not None:
                     current[i] = rep if rep.dtype == current[i].dtype else rep.to(current[i].dtype)
             return full, current
-        for r, rnd in enumerate(plan.rounds):
+        for r, rnd in enumerate(layout.rounds):
             pending = self.prefetched.pop(r, None)
             if pending is None:
                 pending = self._issue(r, [current[p.index] for p in rnd.pieces])
@@ -179,7 +206,7 @@ class Unit:
             else:
                 outs = [
                     into[p.index]  # type: ignore[misc]
-                    if into is not None and plan.last_round[p.index] == r
+                    if into is not None and layout.last_round[p.index] == r
                     else gathered.new_empty(p.padded_shape(n))
                     for p in rnd.pieces
                 ]
@@ -200,7 +227,7 @@ class Unit:
         in flight (``self.in_flight``) and the returned gradients are filled in when it is
         finished; the fence and the end-of-backward callback make sure of that.
         """
-        plan, ctx = self.plan, self.ctx
+        layout, ctx = self.layout, self.ctx
         mp = ctx.policy.mixed_precision
         reduce_dtype = mp.reduce_dtype or mp.param_dtype
         current = [
@@ -221,10 +248,10 @@ class Unit:
             incoming = set()
         rounds = [
             (r, rnd)
-            for r, rnd in reversed(list(enumerate(plan.rounds)))
+            for r, rnd in reversed(list(enumerate(layout.rounds)))
             if any(i in needed for i in _indices(rnd))
         ]
-        all_reduce = ctx.sync and any(sizes[a] > 1 for i in needed for a in plan.replicated[i])
+        all_reduce = ctx.sync and any(sizes[a] > 1 for i in needed for a in layout.replicated[i])
         # Deferred only for a unit called once: the gradients of several calls are summed
         # (read) by autograd as soon as they arrive.
         defer = (
@@ -237,7 +264,7 @@ class Unit:
         )
         for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
-            meta = plan.labels[r]
+            meta = layout.labels[r]
             if len(pieces) < len(rnd.pieces) and checks._CHECK:  # for the debug check only
                 meta = tuple(m for m, p in zip(meta, rnd.pieces) if current[p.index] is not None)
             n = rnd.size
@@ -257,7 +284,7 @@ class Unit:
         if defer:
             return current
         if ctx.sync:
-            _all_reduce_replicated(current, plan.replicated, ctx)
+            _all_reduce_replicated(current, layout.replicated, ctx)
         if post != 1:
             mine = [g for g in current if g is not None and id(g) not in incoming]
             torch._foreach_div_(mine, post)  # our own buffers: in place, one call
@@ -328,13 +355,13 @@ class Call:
             t.untyped_storage().nbytes() if t is not None and real else 0 for t in self.full
         ]
         self.freed = False
-        if unit.plan.rounds and unit.replicas is None:  # replicas: nothing is gathered
+        if unit.layout.rounds and unit.replicas is None:  # replicas: nothing is gathered
             unit.note("gather", "forward", self.token, unit.token if prefetched else None)
         return params
 
     def free(self, phase: Phase) -> None:
         """Release the gathered storage (autograd keeps the tensors as empty shells)."""
-        if self.freed or not self.unit.plan.rounds or self.unit.replicas is not None:
+        if self.freed or not self.unit.layout.rounds or self.unit.replicas is not None:
             self.freed = True
             return
         if not self.unit.ctx.simulated:
@@ -392,7 +419,9 @@ class CallState:
     * ``calls``: the unit invocations in forward order, with their gathered tensors (freed
       after forward, gathered again before backward);
     * ``in_flight``: the reduce-scatters left in flight during the backward;
-    * ``prefetched_upto``: how far down the module order forward all-gathers were issued.
+    * ``prefetched_upto``: how far down the module order forward all-gathers were issued;
+    * ``checkpointing``: how deep the call is inside units the policy checkpoints (their
+      forward or recompute), where Hugging Face's own checkpointing runs layers plainly.
 
     The interpreter creates it per call and drives it (gathers through the engine's autograd
     functions, prefetches, hooks); the autograd functions reach the :class:`Call` and
@@ -401,16 +430,16 @@ class CallState:
 
     def __init__(
         self,
-        plan: ModelLayout,
+        layout: ModelLayout,
         ctx: Context,
         params: Mapping[str, Any],
         replicas: Mapping[int, torch.Tensor] | None = None,
     ):
-        self.plan, self.ctx = plan, ctx
+        self.layout, self.ctx = layout, ctx
         self.in_flight = InFlight()
         self.units = {
             name: Unit(up, ctx, [params[n].local for n in up.names], self.in_flight)
-            for name, up in plan.units.items()
+            for name, up in layout.units.items()
         }
         if replicas:
             for unit in self.units.values():
@@ -418,8 +447,9 @@ class CallState:
         if not ctx.sync:
             _check_unsynced(self.units)
         self.calls: list[Call] = []  # this call's unit invocations, in order
-        self.position = {name: i for i, name in enumerate(plan.order)}
+        self.position = {name: i for i, name in enumerate(layout.order)}
         self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
+        self.checkpointing = 0  # inside how many checkpointed units (forward or recompute)
 
     def differentiated_shards(self) -> list[torch.Tensor]:
         """The shards that require grad, in unit order (what the reduce fence covers)."""
@@ -452,7 +482,7 @@ class CallState:
         """Issue the all-gathers of the units after ``position`` in module order (each once)."""
         depth = self.ctx.policy.prefetch
         start = max(position + 1, self.prefetched_upto + 1)
-        for name in self.plan.order[start : position + 1 + depth]:
+        for name in self.layout.order[start : position + 1 + depth]:
             unit = self.units[name]
             if unit.calls == 0:
                 unit.prefetch("forward")
@@ -467,7 +497,7 @@ class CallState:
             for earlier in calls[max(0, position - depth) : position][::-1]:
                 if earlier.hooked:
                     earlier.unit.prefetch("backward")
-            self.note_compute(call.unit.plan.name, "backward")
+            self.note_compute(call.unit.layout.name, "backward")
 
         return hook
 
@@ -478,11 +508,12 @@ class CallState:
 
 
 def _use_replicas(unit: Unit, known: Mapping[int, torch.Tensor]) -> None:
-    """Give ``unit`` the replicas of its gathered parameters, if every one has one."""
-    gathered = {p.index for rnd in unit.plan.rounds for p in rnd.pieces}
+    """Give ``unit`` the replicas of its gathered parameters, if every one has one (known by
+    the id of the local shard, as the call received it)."""
+    gathered = {p.index for rnd in unit.layout.rounds for p in rnd.pieces}
     if not gathered:
         return
-    found = [known.get(id(_plain(s))) for s in unit.shards]
+    found = [known.get(id(s)) for s in unit.shards]
     if all(found[i] is not None for i in gathered):
         unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
 
@@ -491,11 +522,11 @@ def _check_unsynced(units: Mapping[str, Unit]) -> None:
     """With ``grad_reduce="none"`` a differentiated parameter must not be sharded over a data
     axis: its gradient could not be returned unreduced."""
     for unit in units.values():
-        for rnd in unit.plan.rounds:
+        for rnd in unit.layout.rounds:
             for piece in rnd.pieces:
                 if unit.shards[piece.index].requires_grad:
-                    name = unit.plan.names[piece.index]
-                    lay = unit.plan.layouts[piece.index]
+                    name = unit.layout.names[piece.index]
+                    lay = unit.layout.layouts[piece.index]
                     raise ValueError(
                         f"Policy(grad_reduce='none'): params[{name!r}] (shape "
                         f"{lay.global_shape}, {lay.spec}) is sharded over data axis "

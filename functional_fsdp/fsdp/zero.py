@@ -5,7 +5,7 @@ With parameters replicated at rest and the optimizer state sharded (``opt_specs`
 
 * the gradient's **reduce-scatter** onto the owner of each optimizer shard: per unit during
   the backward for ZeRO-2 (the engine computes with the replicas, see
-  :func:`functional_fsdp.fsdp.runtime.replicas`), once per step over every parameter for
+  :class:`functional_fsdp.fsdp.step_inputs.StepInputs`), once per step over every parameter for
   ZeRO-1 (:func:`reduce_to_shards`);
 * the **all-gather** of the updated shards back into replicas (:func:`gather_replicas`).
 
@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..distributed import collectives as C
-from ..distributed.axes import mesh_device
 from ..distributed.mesh import axis_sizes
 from ..distributed.simulate import is_simulated
 from ..resharding import _cut_block, reshard
@@ -42,7 +40,7 @@ def _unit(
     """A unit holding ``shards`` (the optimizer layout), gathered over ``data_axes``."""
     mesh = shards[0].mesh
     sizes = axis_sizes(mesh)
-    up = _unit_plan(
+    up = _unit_layout(
         tuple(names),
         tuple(s.layout for s in shards),
         tuple(s.dtype for s in shards),
@@ -50,21 +48,13 @@ def _unit(
         data_axes,
         policy.mixed_precision.param_dtype,
     )
-    ctx = Context(
-        mesh=mesh,
-        sizes=sizes,
-        policy=policy,
-        data_axes=data_axes,
-        counters=C.active_counters(),
-        trackers=(),
-        simulated=is_simulated(),
-        device=mesh_device(mesh),
-    )
+    # No memory trackers: this unit is the step's, not one of the model's.
+    ctx = Context.for_call(mesh, sizes, policy, data_axes)
     return Unit(up, ctx, [s.local for s in shards], InFlight())
 
 
 @functools.lru_cache(maxsize=64)
-def _unit_plan(
+def _unit_layout(
     names: tuple[str, ...],
     layouts: tuple[Layout, ...],
     dtypes: tuple[torch.dtype, ...],
@@ -72,7 +62,7 @@ def _unit_plan(
     data_axes: tuple[str, ...],
     param_dtype: torch.dtype | None,
 ) -> UnitLayout:
-    """The plan of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
+    """The layout of :func:`_unit` (pure data of shapes and dtypes: built once per layout)."""
     gdtypes = [gather_dtype(d, param_dtype) for d in dtypes]
     rounds = gather_rounds(layouts, dict(sizes), data_axes, gdtypes)
     last = [-1] * len(names)

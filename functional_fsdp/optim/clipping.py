@@ -10,6 +10,7 @@ all-reduces of a few scalars, whatever the number of tensors.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import optree
@@ -33,12 +34,23 @@ from .transforms import (
 )
 
 
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's 2-norm, all in float32, or float64 if any tensor is float64."""
+def norm_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype :func:`global_norm` computes in for values of ``dtypes``: float32, or
+    float64 if any is float64 (narrower values are widened, exactly, before they are summed).
+
+    Example:
+        >>> norm_dtype([torch.bfloat16, torch.float32])
+        torch.float32
+    """
     acc = torch.float32
-    for t in tensors:
-        acc = torch.promote_types(acc, t.dtype)
-    return list(torch._foreach_norm(tensors, 2, dtype=acc))
+    for dtype in dtypes:
+        acc = torch.promote_types(acc, dtype)
+    return acc
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, in :func:`norm_dtype` of them all."""
+    return list(torch._foreach_norm(tensors, 2, dtype=norm_dtype(t.dtype for t in tensors)))
 
 
 def _padded_dims(layout: Layout) -> list[int]:

@@ -19,16 +19,14 @@ import torch
 from .._tree import NAMESPACE
 from ._tree import local_leaves
 from .clipping import global_norm
+from .records import is_record
 from .transforms import (
     GradientTransformation,
     GradientTransformationExtraArgs,
     OptState,
     Params,
     Updates,
-    _with_learning_rate,
-    _with_report,
     call_update,
-    learning_rate_fn,
 )
 
 
@@ -48,6 +46,11 @@ class ApplyIfFiniteState(NamedTuple):
     last_finite: torch.Tensor  # bool scalar: whether the last update was finite
     total_notfinite: torch.Tensor  # int64 scalar: non-finite updates so far
     inner_state: Any  # the inner optimizer's state; its step counts are int64 scalar tensors
+    last_skipped: torch.Tensor  # bool scalar: whether the last update was skipped (not
+    # finite, and no more than max_consecutive_errors in a row)
+
+    # train_step's metrics["skipped"] and ["nonfinite_steps"] (see optim/records.py)
+    METRICS = (("skipped", "last_skipped"), ("nonfinite_steps", "total_notfinite"))
 
 
 def _device_of(params: Params) -> torch.device:
@@ -56,14 +59,18 @@ def _device_of(params: Params) -> torch.device:
 
 
 def _tensor_counts(state: OptState, device: torch.device) -> OptState:
-    """``state`` with its Python int leaves (step counts) as int64 scalar tensors."""
-
-    def convert(x: Any) -> Any:
+    """``state`` with its Python int leaves (step counts) as int64 scalar tensors, and the
+    numbers it records (a learning rate) as float64 ones: what updates from tensor counts
+    make of them, so a skipped step can select between the old and the new."""
+    accessors, leaves, treedef = optree.tree_flatten_with_accessor(state, namespace=NAMESPACE)
+    out = []
+    for accessor, x in zip(accessors, leaves):
         if isinstance(x, numbers.Integral) and not isinstance(x, bool):
-            return torch.tensor(int(x), dtype=torch.int64, device=device)
-        return x
-
-    return optree.tree_map(convert, state, namespace=NAMESPACE)
+            x = torch.tensor(int(x), dtype=torch.int64, device=device)
+        elif isinstance(x, numbers.Real) and len(accessor) and is_record(accessor[-1]):
+            x = torch.tensor(float(x), dtype=torch.float64, device=device)
+        out.append(x)
+    return optree.tree_unflatten(treedef, out)
 
 
 def _select(keep_new: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
@@ -164,6 +171,7 @@ def apply_if_finite(
             last_finite=torch.ones((), dtype=torch.bool, device=device),
             total_notfinite=zero.clone(),
             inner_state=_tensor_counts(inner.init(params), device),
+            last_skipped=torch.zeros((), dtype=torch.bool, device=device),
         )
 
     def update(
@@ -199,13 +207,7 @@ def apply_if_finite(
             last_finite=finite,
             total_notfinite=torch.where(finite, state.total_notfinite, state.total_notfinite + 1),
             inner_state=new_inner,
+            last_skipped=~apply,
         )
 
-    def report(state: ApplyIfFiniteState) -> dict[str, torch.Tensor]:
-        skipped = ~state.last_finite & (state.notfinite_count <= limit)
-        return {"skipped": skipped, "nonfinite_steps": state.total_notfinite}
-
-    out = GradientTransformationExtraArgs(init, update)
-    _with_report(out, report)
-    fn = learning_rate_fn(inner)
-    return out if fn is None else _with_learning_rate(out, lambda s: fn(s.inner_state))  # type: ignore[return-value]
+    return GradientTransformationExtraArgs(init, update)

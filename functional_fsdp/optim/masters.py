@@ -10,43 +10,44 @@ the masters with fp32 gradients; the new parameters are the masters cast to the 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
+from optree import dataclasses as optree_dataclasses
 
 from .._tree import NAMESPACE
 from ._tree import check_tensor_tree, local_leaves
+from .clipping import norm_dtype
 from .transforms import (
     GradientTransformation,
     GradientTransformationExtraArgs,
     OptState,
     Params,
     Updates,
-    _with_learning_rate,
-    _with_report,
     call_update,
-    learning_rate_fn,
-    report_fn,
     without,
 )
 
-_PARAM_DTYPE = "_ff_param_dtype"
 
-
-class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`.
+@optree_dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class MasterWeightsState:
+    """State of :func:`master_weights`: the masters, the inner optimizer's state, and the
+    dtype the parameters are kept in (static: part of the tree's structure, not a leaf, so
+    checkpoints hold ``master.<name>`` and ``inner...`` only).
 
     Example:
         >>> import torch, functional_fsdp as ff
         >>> opt = ff.master_weights(ff.sgd(0.1), param_dtype=torch.bfloat16)
         >>> state = opt.init({"w": torch.ones(2)})
-        >>> state.master["w"].dtype
-        torch.float32
+        >>> state.master["w"].dtype, state.param_dtype
+        (torch.float32, torch.bfloat16)
     """
 
     master: Any  # like the params, in the master dtype (fp32), in the optimizer's layout
     inner: Any  # the inner optimizer's state, built on the masters
+    # the dtype TrainState.create casts the trainable parameters to (static: not a leaf)
+    param_dtype: torch.dtype = optree_dataclasses.field(default=torch.bfloat16, pytree_node=False)
 
 
 def _cast(tree: Any, dtype: torch.dtype, copy: bool = False) -> Any:
@@ -56,6 +57,25 @@ def _cast(tree: Any, dtype: torch.dtype, copy: bool = False) -> Any:
         return t
 
     return optree.tree_map(cast, tree, namespace=NAMESPACE)
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly a ``dst`` value (a float cast that loses nothing)."""
+    if src == dst:
+        return True
+    finfo_src, finfo_dst = torch.finfo(src), torch.finfo(dst)
+    return finfo_dst.bits > finfo_src.bits and (
+        finfo_dst.eps <= finfo_src.eps and finfo_dst.max >= finfo_src.max
+    )
+
+
+def _same_norm(updates: Updates, master_dtype: torch.dtype) -> bool:
+    """Whether :func:`global_norm` of ``updates`` and of ``updates`` cast to ``master_dtype``
+    are one number: the same values (an exact cast) summed in the same dtype."""
+    dtypes = {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
+    return all(_widens(d, master_dtype) for d in dtypes) and norm_dtype(dtypes) == norm_dtype(
+        [master_dtype]
+    )
 
 
 def master_weights(
@@ -110,7 +130,7 @@ def master_weights(
     def init(params: Params) -> MasterWeightsState:
         check_tensor_tree(params, "master_weights.init")
         master = _cast(params, master_dtype, copy=True)  # own copies, never the params
-        return MasterWeightsState(master, optimizer.init(master))
+        return MasterWeightsState(master, optimizer.init(master), param_dtype)
 
     def update(
         updates: Updates, state: OptState, params: Params | None = None, **kwargs: Any
@@ -121,11 +141,12 @@ def master_weights(
                 f"its init() returned (a MasterWeightsState)."
             )
         grads = _cast(updates, master_dtype)
-        # The inner optimizer gets the gradients cast to the master dtype, whose norm need not
-        # be ``grad_norm`` bit for bit: it computes its own.
-        inner_updates, inner = call_update(
-            optimizer, grads, state.inner, state.master, without(kwargs)
-        )
+        # The inner optimizer gets the gradients cast to the master dtype. Their norm is
+        # ``grad_norm`` when the cast is exact and the norm is computed in the same dtype
+        # (bf16/fp16 gradients, fp32 masters): then it is passed on, and a clip inside costs
+        # no second all-reduce. Otherwise the inner optimizer computes its own.
+        extra = kwargs if _same_norm(updates, master_dtype) else without(kwargs)
+        inner_updates, inner = call_update(optimizer, grads, state.inner, state.master, extra)
         m, treedef = local_leaves(state.master)
         new_master = optree.tree_unflatten(
             treedef, torch._foreach_add(m, local_leaves(inner_updates)[0])
@@ -136,19 +157,6 @@ def master_weights(
             p, p_def = local_leaves(params)
             cast = [x.to(y.dtype) for x, y in zip(local_leaves(new_master)[0], p)]
             out = optree.tree_unflatten(p_def, torch._foreach_sub(cast, p))
-        return out, MasterWeightsState(new_master, inner)
+        return out, MasterWeightsState(new_master, inner, param_dtype)
 
-    out = GradientTransformationExtraArgs(init, update)
-    setattr(out.update, _PARAM_DTYPE, param_dtype)
-    rate = learning_rate_fn(optimizer)
-    if rate is not None:
-        _with_learning_rate(out, lambda state: rate(state.inner))
-    report = report_fn(optimizer)
-    if report is not None:
-        _with_report(out, lambda state: report(state.inner))
-    return out
-
-
-def param_dtype_of(optimizer: GradientTransformation) -> torch.dtype | None:
-    """The dtype :func:`master_weights` keeps parameters in (``None`` for other optimizers)."""
-    return getattr(optimizer.update, _PARAM_DTYPE, None)
+    return GradientTransformationExtraArgs(init, update)

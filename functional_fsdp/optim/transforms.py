@@ -196,7 +196,7 @@ class EmptyState(NamedTuple):
 
 
 class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule` (and a scheduled learning rate).
+    """State of :func:`scale_by_schedule`.
 
     Example:
         >>> scale_by_schedule(lambda step: 0.1).init(None)
@@ -205,6 +205,36 @@ class ScaleByScheduleState(NamedTuple):
 
     count: int | torch.Tensor  # updates applied so far: a Python int (schedules run on the
     # host), or an int64 scalar tensor (schedules run on its device)
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a schedule.
+
+    Example:
+        >>> scale_by_learning_rate(lambda step: 0.1).init(None)
+        ScaleByLearningRateState(count=0, learning_rate=nan)
+    """
+
+    count: int | torch.Tensor  # updates applied so far: a Python int (the schedule runs on
+    # the host), or an int64 scalar tensor (it runs on the count's device)
+    learning_rate: float | torch.Tensor  # the rate of the last update (nan before the
+    # first), from the schedule: a float, or a float64 scalar tensor for a tensor count
+
+    METRICS = (("lr", "learning_rate"),)  # read by learning_rate_of and train_step's metrics
+
+
+class ConstantLearningRateState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a constant rate: the rate, recorded.
+
+    Example:
+        >>> scale_by_learning_rate(0.1).init(None)
+        ConstantLearningRateState(learning_rate=0.1)
+    """
+
+    learning_rate: float | torch.Tensor  # the rate every update applies (a float64 scalar
+    # tensor once apply_if_finite has made the state's numbers tensors)
+
+    METRICS = (("lr", "learning_rate"),)  # read by learning_rate_of and train_step's metrics
 
 
 class TraceState(NamedTuple):
@@ -245,61 +275,6 @@ class MaskedState(NamedTuple):
     """
 
     inner_state: Any  # the inner transformation's state over the masked leaves only
-
-
-# --------------------------------------------------------------------------- learning rates
-
-# A transformation that applies a learning rate says how to read it from its state: its
-# update function carries ``fn(state) -> lr`` under this attribute. Combinators pass it on.
-_LEARNING_RATE = "_ff_learning_rate"
-LearningRateFn = Callable[[OptState], "float | torch.Tensor"]
-
-
-def _with_learning_rate(t: GradientTransformation, fn: LearningRateFn) -> GradientTransformation:
-    setattr(t.update, _LEARNING_RATE, fn)
-    return t
-
-
-def learning_rate_fn(t: GradientTransformation) -> LearningRateFn | None:
-    """``fn(state) -> lr`` for a transformation that applies a learning rate, else ``None``."""
-    return getattr(t.update, _LEARNING_RATE, None)
-
-
-# Likewise, a transformation with something to report per step (apply_if_finite's skips)
-# carries ``fn(new_state) -> {name: value}``; train_step adds it to its metrics.
-_REPORT = "_ff_report"
-ReportFn = Callable[[OptState], dict[str, Any]]
-
-
-def _with_report(t: GradientTransformation, fn: ReportFn) -> GradientTransformation:
-    setattr(t.update, _REPORT, fn)
-    return t
-
-
-def report_fn(t: GradientTransformation) -> ReportFn | None:
-    """``fn(state) -> {metric: value}`` for a transformation that reports some, else ``None``."""
-    return getattr(t.update, _REPORT, None)
-
-
-def learning_rate_of(optimizer: GradientTransformation, state: OptState) -> float | torch.Tensor:
-    """The learning rate ``optimizer`` applies at its next update from ``state``.
-
-    Read from the optimizer's own learning rate (a constant or a schedule of its step count),
-    so a schedule is given once, to the optimizer. A Python float, or a 0-dim tensor when the
-    counts are tensors (under :func:`~functional_fsdp.apply_if_finite`). ``nan`` if the
-    optimizer applies no learning rate (a custom transformation, say).
-
-    Example:
-        >>> import functional_fsdp as ff, torch
-        >>> opt = ff.adamw(ff.linear_schedule(1.0, 0.0, transition_steps=4))
-        >>> params = {"w": torch.ones(1)}
-        >>> state = opt.init(params)
-        >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
-        >>> ff.learning_rate_of(opt, state)  # the rate of the second update
-        0.75
-    """
-    fn = learning_rate_fn(optimizer)
-    return float("nan") if fn is None else fn(state)
 
 
 # --------------------------------------------------------------------------- combinators
@@ -345,17 +320,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    out = GradientTransformationExtraArgs(init, update)
-    reports = [(i, fn) for i, t in enumerate(transforms) if (fn := report_fn(t)) is not None]
-    if reports:
-        _with_report(
-            out, lambda state: {k: v for i, fn in reports for k, v in fn(state[i]).items()}
-        )
-    for i, t in enumerate(transforms):
-        fn = learning_rate_fn(t)
-        if fn is not None:
-            return _with_learning_rate(out, lambda state, i=i, fn=fn: fn(state[i]))
-    return out
+    return GradientTransformationExtraArgs(init, update)
 
 
 def identity() -> GradientTransformation:
@@ -468,14 +433,16 @@ def _scale_by_schedule(
     return GradientTransformationExtraArgs(init, update)
 
 
-def _scheduled_rate(where: str, fn: Schedule) -> LearningRateFn:
-    return lambda state: _scheduled(where, fn, state.count, low=0.0)
-
-
 def scale_by_learning_rate(
     learning_rate: float | Schedule, *, flip_sign: bool = True
 ) -> GradientTransformation:
     """Multiply updates by ``-learning_rate`` (a float or a schedule of the step count).
+
+    The state records the rate of the last update (``learning_rate``), which
+    :func:`~functional_fsdp.learning_rate_of` and ``train_step``'s ``metrics["lr"]`` read.
+    A schedule is called inside ``update`` with the state's step count (never by ``init``:
+    a fresh state records ``nan``); the rate is a Python float for an int count, a 0-dim
+    float64 tensor on the count's device for a tensor count (nothing read back to the host).
 
     Args:
         learning_rate: a non-negative float, or a schedule ``fn(step) -> float``.
@@ -489,14 +456,30 @@ def scale_by_learning_rate(
         >>> import torch
         >>> t = scale_by_learning_rate(lambda step: 0.1 / (step + 1))
         >>> u, state = t.update({"w": torch.ones(1)}, t.init(None))
-        >>> t.update({"w": torch.ones(1)}, state)[0]
-        {'w': tensor([-0.0500])}
+        >>> t.update({"w": torch.ones(1)}, state)
+        ({'w': tensor([-0.0500])}, ScaleByLearningRateState(count=2, learning_rate=0.05))
     """
     where = "scale_by_learning_rate"
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
-        t = _scale_by_schedule(where, learning_rate, sign=sign, low=0.0)
-        return _with_learning_rate(t, _scheduled_rate(where, learning_rate))
+        schedule = learning_rate
+
+        def init(params: Params) -> ScaleByLearningRateState:
+            return ScaleByLearningRateState(0, math.nan)  # no update yet: no rate
+
+        def update(
+            updates: Updates,
+            state: OptState,
+            params: Params | None = None,
+            *,
+            donate: bool = False,
+            **extra: Any,
+        ) -> tuple[Updates, OptState]:
+            rate = _scheduled(where, schedule, state.count, low=0.0)
+            new = map_foreach(torch._foreach_mul, updates, sign * rate, donate=donate)
+            return new, ScaleByLearningRateState(state.count + 1, _record(rate, state.count))
+
+        return GradientTransformationExtraArgs(init, update)
     if isinstance(learning_rate, torch.Tensor) or not isinstance(learning_rate, numbers.Real):
         raise TypeError(
             f"{where}: learning_rate must be a float or a schedule fn(step) -> float, got "
@@ -510,7 +493,24 @@ def scale_by_learning_rate(
             f"{where}: learning_rate must be finite and >= 0, got {lr}. Pass the step size "
             f"as a positive number: the update is negated for you (flip_sign=True)."
         )
-    return _with_learning_rate(scale(sign * lr), lambda state: lr)
+    scaled = scale(sign * lr)
+
+    def update_constant(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:  # scale's update; the state is the recorded rate
+        return scaled.update(updates, EmptyState(), params, **extra)[0], state
+
+    return GradientTransformationExtraArgs(
+        lambda params: ConstantLearningRateState(lr), update_constant
+    )
+
+
+def _record(rate: float | torch.Tensor, count: int | torch.Tensor) -> float | torch.Tensor:
+    """The rate as the state records it: a tensor on the count's device for a tensor count
+    (a schedule may return a float for any count), so the state's leaves keep their types."""
+    if isinstance(count, torch.Tensor) and not isinstance(rate, torch.Tensor):
+        return torch.tensor(rate, dtype=torch.float64, device=count.device)
+    return rate
 
 
 # --------------------------------------------------------------------------- transformations
@@ -738,12 +738,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         out = [n if f else u for u, n, f in zip(u_leaves, new_leaves, flags)]
         return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
 
-    out = GradientTransformationExtraArgs(init, update)
-    report = report_fn(inner)
-    if report is not None:
-        _with_report(out, lambda s: report(s.inner_state))
-    fn = learning_rate_fn(inner)
-    return out if fn is None else _with_learning_rate(out, lambda s: fn(s.inner_state))
+    return GradientTransformationExtraArgs(init, update)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

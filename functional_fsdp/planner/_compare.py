@@ -21,7 +21,7 @@ from ..optim.masters import master_weights as wrap_masters
 from ..spec import P
 from ..tp.styles import Style
 from ._charts import plot_memory
-from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, _plan
+from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, plan
 from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
 STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp")
@@ -217,7 +217,7 @@ def compare_strategies(
             kw = dict(mesh={"dp": world_size // tp, "tp": tp}, tp_plan=tp_plan)
         kw.setdefault("policy", Policy(**base))
         mesh = kw.pop("mesh")
-        reports.append(_plan(model, mesh, name=s, memo=memo, **common, **kw))
+        reports.append(plan(model, mesh, name=s, _memo=memo, **common, **kw))
     paper = {}
     if master_weights and optimizer in ("adam", "adamw") and param_dtype is not None:
         for r in reports:

@@ -38,9 +38,11 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
+from ..distributed.axes import data_axes_of
+from ..formats import replicated_bytes, storage_view
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
-from ..optim.masters import param_dtype_of
+from ..optim.masters import MasterWeightsState
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -114,7 +116,9 @@ class PlanReport:
         data_axes: the axes that split the batch.
         params: parameter elements of the model (tied ones once).
         trainable: trainable parameter elements.
-        param_bytes: parameter shards at rest, padding included.
+        param_bytes: parameter shards at rest, padding included, and what a quantized base's
+            layers hold whole on every rank (code tables; a 4-bit base is priced as
+            :func:`~functional_fsdp.fsdp` stores it: packed blocks with their scales).
         padding_bytes: the padding part of ``param_bytes`` (beyond an exact share of each
             tensor over the axes that split it, rounded to a byte).
         grad_bytes: gradients of the trainable parameters, in their at-rest layout (ZeRO-2:
@@ -315,15 +319,20 @@ def _optimizer(opt: OptimizerArg) -> GradientTransformation | None:
     return makers[opt]()
 
 
-def _state_bytes(optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]) -> int:
+def _state_bytes(
+    optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]
+) -> tuple[int, torch.dtype | None]:
+    """The bytes of ``optimizer``'s state on ``shards`` (``meta``), and the dtype its
+    :func:`~functional_fsdp.master_weights` state keeps the parameters in (else ``None``)."""
     if optimizer is None or not shards:
-        return 0
+        return 0, None
     state = optimizer.init(shards)
-    return sum(
+    nbytes = sum(
         t.numel() * t.element_size()
         for t in optree.tree_leaves(state, namespace=NAMESPACE)
         if isinstance(t, torch.Tensor)
     )
+    return nbytes, state.param_dtype if isinstance(state, MasterWeightsState) else None
 
 
 def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: tuple[str, ...]):
@@ -402,6 +411,7 @@ def plan(
     accumulate: int = 1,
     accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
     name: str = "",
+    _memo: dict[Any, Any] | None = None,
 ) -> PlanReport:
     """Price one training step of ``model`` on a mesh, per device, from shapes alone.
 
@@ -471,56 +481,17 @@ def plan(
         >>> report.by_kind_and_axis()[("all_gather", "dp")][0]  # root + 2 blocks, twice
         6
     """
-    return _plan(
-        model,
-        mesh,
-        batch=batch,
-        specs=specs,
-        units=units,
-        policy=policy,
-        data_axes=data_axes,
-        trainable=trainable,
-        tp_plan=tp_plan,
-        tp_axis=tp_axis,
-        optimizer=optimizer,
-        opt_specs=opt_specs,
-        loss_fn=loss_fn,
-        accumulate=accumulate,
-        accumulate_mode=accumulate_mode,
-        name=name,
-        memo={},
-    )
-
-
-def _plan(
-    model: nn.Module,
-    mesh: Mapping[str, int] | Any,
-    *,
-    batch: BatchArg = None,
-    specs: Specs | None = None,
-    units: UnitsArg = None,
-    policy: Policy | None = None,
-    data_axes: Sequence[str] | None = None,
-    trainable: Sequence[str] | Callable[[str], bool] | None = None,
-    tp_plan: Mapping[str, Style] | None = None,
-    tp_axis: str = "tp",
-    optimizer: OptimizerArg = "adamw",
-    opt_specs: Specs | None = None,
-    loss_fn: Callable[[Any], torch.Tensor] | Literal["lm"] | None = "lm",
-    accumulate: int = 1,
-    accumulate_mode: Literal["reduce_each", "local"] = "reduce_each",
-    name: str = "",
-    memo: dict[Any, Any],
-) -> PlanReport:
-    """:func:`plan`, with ``memo`` shared by plans of one model (see :func:`_memo`): what
-    depends only on the same inputs (a unit plan, the optimizer state of the same shards, a
-    forward trace on the same compute shapes) is worked out once."""
+    # _memo (private: compare_strategies) is shared by plans of one model (see _remember): what
+    # depends only on the same inputs (a unit layout, the optimizer state of the same shards,
+    # a forward trace on the same compute shapes) is worked out once.
+    memo = {} if _memo is None else _memo
     start = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"ff.plan takes an nn.Module, got {type(model).__name__}: build the model (on "
             f"'meta' for big ones) and pass it, e.g. ff.plan(model, {{'dp': 8}})."
         )
+    model = storage_view(model)  # a quantized base as ff.fsdp stores it (formats/)
     sizes = _sizes_of(mesh)
     _run.check_no_process_group()
     mesh_str = format_mesh(sizes)
@@ -529,14 +500,7 @@ def _plan(
             f"ff.plan(tp_plan=...): the mesh {mesh_str} has no tensor-parallel axis "
             f"{tp_axis!r}; add one, e.g. {{'dp': 4, {tp_axis!r}: 2}}, or pass tp_axis=."
         )
-    if data_axes is None:
-        data_axes = tuple(a for a in sizes if a != tp_axis)
-    data_axes = tuple(data_axes)
-    unknown = [a for a in data_axes if a not in sizes]
-    if unknown:
-        raise ValueError(
-            f"ff.plan: data_axes {data_axes} name {unknown[0]!r}, which {mesh_str} lacks"
-        )
+    data_axes = data_axes_of(sizes, data_axes, "ff.plan", model_axes=(tp_axis,))
     if accumulate < 1:
         raise ValueError(f"ff.plan: accumulate must be >= 1, got {accumulate}")
     policy = policy or Policy()
@@ -558,7 +522,7 @@ def _plan(
     paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
     resolved = dict(zip((p[0] for p in paths), resolve_specs(module_params, specs)))
     param_specs = {n: resolved[n] or P() for n in module_params}
-    the_plan: ModelLayout = _memo(
+    the_plan: ModelLayout = _remember(
         memo,
         ("plan", tuple(sizes.items()), tuple(param_specs.items()), unit_paths, data_axes),
         lambda: model_layout(model, sizes, param_specs, unit_paths, data_axes, mp.param_dtype),
@@ -573,7 +537,22 @@ def _plan(
         for n, lay, dt in zip(up.names, up.layouts, up.dtypes):
             layouts[n], dtypes[n] = lay, dt
     opt = _optimizer(optimizer)
-    kept = param_dtype_of(opt) if opt is not None else None  # master_weights' param dtype
+    opt_layouts = dict(layouts)
+    if opt_specs is not None:
+        tr = {n: module_params[n] for n in layouts if n in train}
+        tpaths = optree.tree_paths(tr, none_is_leaf=True)  # type: ignore[arg-type]
+        ospecs = dict(zip((p[0] for p in tpaths), resolve_specs(tr, opt_specs)))
+        opt_layouts = {n: Layout.make(layouts[n].global_shape, ospecs[n] or P(), sizes) for n in tr}
+    shards = {
+        n: torch.empty(opt_layouts[n].local_shape, dtype=dtypes[n], device="meta")
+        for n in layouts
+        if n in train
+    }
+    opt_state_bytes, kept = _remember(  # kept: master_weights' param dtype, read off its state
+        memo,
+        ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
+        lambda: _state_bytes(opt, shards),
+    )
     rest = {
         n: kept if kept is not None and n in train and dt.is_floating_point else dt
         for n, dt in dtypes.items()
@@ -588,22 +567,7 @@ def _plan(
         for n in layouts
     )
     padding = param_bytes - round(exact)
-    opt_layouts = dict(layouts)
-    if opt_specs is not None:
-        tr = {n: module_params[n] for n in layouts if n in train}
-        tpaths = optree.tree_paths(tr, none_is_leaf=True)  # type: ignore[arg-type]
-        ospecs = dict(zip((p[0] for p in tpaths), resolve_specs(tr, opt_specs)))
-        opt_layouts = {n: Layout.make(layouts[n].global_shape, ospecs[n] or P(), sizes) for n in tr}
-    shards = {
-        n: torch.empty(opt_layouts[n].local_shape, dtype=dtypes[n], device="meta")
-        for n in layouts
-        if n in train
-    }
-    opt_state_bytes = _memo(
-        memo,
-        ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
-        lambda: _state_bytes(opt, shards),
-    )
+    param_bytes += replicated_bytes(model)  # a quantized base's code tables, on every rank
     data_set = set(data_axes)
     zero = (
         opt_specs is not None
@@ -638,7 +602,7 @@ def _plan(
         key = None
         if not styles:  # a TP trace depends on the styles too: not shared
             key = ("trace", the_plan.order, _shapes(params), _shapes(local), id(loss), cast)
-        trace = _memo(
+        trace = _remember(
             memo,
             key,
             lambda: _activations.trace_forward(
@@ -763,7 +727,7 @@ def _plan(
     )
 
 
-def _memo(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:
+def _remember(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:
     """``make()``, remembered in ``memo`` under ``key`` (and ``more``); ``key=None``: not
     remembered. Plans of one model share a memo (:func:`compare_strategies`): the values
     are read, never changed, so sharing them is safe."""
