@@ -134,7 +134,7 @@ def main() -> None:
     for i in range(args.steps + 2):
         b = batch()
         order = list(systems)[i % len(systems) :] + list(systems)[: i % len(systems)]
-        for name in (list(systems) if i == 0 else order):
+        for name in list(systems) if i == 0 else order:
             dist.barrier()
             t0 = time.perf_counter()
             systems[name](b)

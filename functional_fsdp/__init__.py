@@ -10,6 +10,9 @@ from ._partition import combine as combine
 from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves
 from ._tree import tree_map as tree_map
+from .compiled import Jitted as Jitted
+from .compiled import TraceError as TraceError
+from .compiled import jit as jit
 from .display import describe as describe
 from .display import visualize as visualize
 from .distributed.collectives import CollectiveError as CollectiveError
@@ -41,9 +44,6 @@ from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
 from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
-from .compiled import Jitted as Jitted
-from .compiled import TraceError as TraceError
-from .compiled import jit as jit
 from .launcher import ProcessPool as ProcessPool
 from .launcher import WorkerError as WorkerError
 from .launcher import launch as launch

@@ -10,11 +10,13 @@ backward, the collectives of every unit, clipping, the optimizer update, the sch
   functional collectives included, becomes a node of the graph. Python runs once, at trace
   time: its control flow, this library's bookkeeping (units, buckets, prefetch) and the
   module copies cost nothing when the graph is replayed.
-* **Per-step values are tensors.** A Python ``int`` among the arguments (the step count of a
-  :class:`~functional_fsdp.TrainState`, an optimizer's count) is traced as a 0-dim int64
-  tensor, so learning-rate schedules, Adam's bias correction and ``apply_if_finite``'s
-  counters are computed inside the graph and one compilation serves every step. Every other
-  non-tensor leaf (strings, floats, layouts, the mesh) is static: a new value traces again.
+* **Per-step values are tensors.** A Python ``int`` or ``float`` among the arguments (the
+  step count of a :class:`~functional_fsdp.TrainState`, an optimizer's count, a learning
+  rate recorded in its state) is traced as a 0-dim int64 or float64 tensor, as ``jax.jit``
+  traces Python scalars, so learning-rate schedules, Adam's bias correction and
+  ``apply_if_finite``'s counters are computed inside the graph and one compilation serves
+  every step. Every other non-tensor leaf (strings, bools, layouts, the mesh) is static: a
+  new value traces again.
 * **Compiling** hands the graph to inductor (``backend="inductor"``), which fuses the
   optimizer's elementwise work with the gradient computation and keeps the collectives as
   asynchronous kernels. ``backend="eager"`` replays the traced graph op by op (no compiler:
@@ -232,7 +234,8 @@ def jit(
 
     Returns:
         A :class:`Jitted` callable with the same arguments and results as ``fn``; Python
-        ints among the arguments come back as 0-dim tensors (e.g. ``state.step``).
+        ints and floats among the arguments come back as 0-dim tensors (e.g.
+        ``state.step``).
 
     Raises:
         ValueError: for an unknown backend.
@@ -292,13 +295,13 @@ _TENSOR = _TensorSlot()
 
 
 def _flatten_args(args: tuple[Any, ...]) -> tuple[list[torch.Tensor], list[Any], Any]:
-    """The tensors of ``args`` (Python ints among them as 0-dim int64 tensors), the static
-    leaves (``_TENSOR`` where a tensor goes) and the tree structure."""
+    """The tensors of ``args`` (Python ints and floats among them as 0-dim int64 and float64
+    tensors), the static leaves (``_TENSOR`` where a tensor goes) and the tree structure."""
     leaves, treedef = optree.tree_flatten(args, namespace=NAMESPACE, none_is_leaf=True)
     tensors, static = [], []
     for x in leaves:
-        if isinstance(x, int) and not isinstance(x, bool):
-            x = torch.tensor(x, dtype=torch.int64)
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            x = torch.tensor(x, dtype=torch.int64 if isinstance(x, int) else torch.float64)
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             static.append(_TENSOR)
