@@ -8,6 +8,7 @@ step keeps each rank's share, so the loss is the global-batch mean.
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy zero2    # or ddp, zero1, shard_grad_op
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh replicate=2,shard=2
     torchrun --nproc-per-node 2 examples/train_gpt.py --mixed-precision bf16
+    torchrun --nproc-per-node 2 examples/train_gpt.py --compile              # ff.jit: one graph
 
 Checkpoints and resume: with ``--checkpoint-dir`` the run saves every ``--save-every`` steps
 (atomically, on a background thread; the data generator's state is saved too), and with
@@ -53,6 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="ff.jit: trace the whole step once into one graph and compile it (inductor)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-chars", type=int, default=300)
     add_device_arg(p)
@@ -112,6 +118,8 @@ def main() -> None:
         accumulate_mode="local" if args.strategy == "zero1" else "reduce_each",
         learning_rate=schedule,
     )
+    if args.compile:  # forward, backward, collectives and AdamW: one compiled graph
+        step = ff.jit(step)
     state = ff.TrainState.create(sharded_model.shard(), optimizer, opt_specs=opt_specs)
 
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same global batches on every rank
@@ -127,7 +135,7 @@ def main() -> None:
         gen.set_state(ckpt["data"]["rng"])
         if rank == 0:
             print(f"resumed from step {state.step} of {args.checkpoint_dir}")
-    first = state.step
+    first = int(state.step)  # a tensor once a compiled step has run
     tokens_per_step = args.batch_size * args.block_size
     losses = []
     bar = tqdm(

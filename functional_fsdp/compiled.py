@@ -474,8 +474,15 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
     }
+    # Fake inputs from a mode with a shape environment (static shapes): what inductor's
+    # caches key on, so a second run of the same program loads the compiled graph.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = [mode.from_tensor(t, static_shapes=True) for t in tensors]
     with torch._inductor.config.patch(overlap):
-        return compile_fx(graph, tensors)
+        return compile_fx(graph, fake)
 
 
 # --------------------------------------------------------------------------- errors
