@@ -66,6 +66,18 @@ def _fsdp2(model: torch.nn.Module, mesh: Any, compiled: bool) -> torch.nn.Module
     return ref
 
 
+def _peak_mib(step: Callable[[], None], device: torch.device) -> float:
+    """Peak memory one step adds: resident memory on the CPU, allocated memory on a GPU."""
+    if device.type != "cuda":
+        return _step_peak_mib(step)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -77,7 +89,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128)
     args = parser.parse_args()
 
-    ff.init_distributed()
+    device = ff.init_distributed()  # cuda:LOCAL_RANK with NCCL where there is a GPU
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     cfg = GPTConfig(
@@ -87,8 +99,8 @@ def main() -> None:
         n_head=args.heads,
         n_embd=args.width,
     )
-    model = GPT(cfg)
-    mesh = ff.make_mesh({"dp": world})
+    model = GPT(cfg).to(device)
+    mesh = ff.make_mesh({"dp": world}, device_type=device.type)
 
     sharded_model = ff.fsdp(model, mesh)
     opt = ff.chain(ff.clip_by_global_norm(CLIP), ff.adamw(LR, weight_decay=0.1))
@@ -127,6 +139,7 @@ def main() -> None:
 
     def batch() -> Batch:
         idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+        idx = idx.to(device)
         return idx[:, :-1], idx[:, 1:]
 
     first: dict[str, float] = {}
@@ -145,7 +158,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
     compiled = jitted.lower(held["jit"], batch())
     b = batch()
-    peak = {name: _step_peak_mib(lambda f=fn: f(b)) for name, fn in systems.items()}
+    peak = {name: _peak_mib(lambda f=fn: f(b), device) for name, fn in systems.items()}
     if rank == 0:
         _report(args, cfg, model, world, times, first, peak, compiled)
     dist.barrier()
@@ -179,8 +192,8 @@ def _report(
     row("peak memory added by a step (MiB)", lambda n: f"{peak[n]:.1f}")
     print(
         f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}, "
-        f"{psi / 2**20:.1f} MiB of fp32 parameters; {world} ranks (gloo, CPU, "
-        f"{torch.get_num_threads()} thread each); batch {args.batch}×{args.seq} per rank; "
+        f"{psi / 2**20:.1f} MiB of fp32 parameters; {world} ranks ({dist.get_backend()}, "
+        f"{_where()}); batch {args.batch}×{args.seq} per rank; "
         f"AdamW with clipping; median of {args.steps} steps, taken in rotation.\n"
     )
     print(_markdown(rows))
@@ -191,6 +204,12 @@ def _report(
         f"Command: torchrun --nproc-per-node {world} benchmarks/compiled_step.py "
         + " ".join(sys.argv[1:])
     )
+
+
+def _where() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU, {torch.get_num_threads()} thread each"
 
 
 if __name__ == "__main__":

@@ -110,6 +110,14 @@ class Jitted:
     Attributes:
         compilations: how many times it traced and compiled (one per new input signature).
         backend: ``"inductor"`` or ``"eager"``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> double = ff.jit(lambda x: {"y": x * 2}, backend="eager")
+        >>> double(torch.ones(2))["y"].tolist(), double.compilations
+        ([2.0, 2.0], 1)
+        >>> len(double.lower(torch.ones(2)).graph.graph.nodes)  # x, mul, output
+        3
     """
 
     def __init__(self, fn: Callable[..., Any], backend: Backend) -> None:

@@ -25,7 +25,11 @@ def main() -> None:
         sys.exit("rank 1 fails on purpose in the first attempt")
     total = ff.all_reduce(torch.tensor([rank + 1.0]), mesh, "dp")
     store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
-    print(f"attempt {attempt} rank {rank} sum {float(total)} shared store {store}", flush=True)
+    # One write per line: two ranks share torchrun's stdout, and print() writes the text and
+    # its newline separately, so the two lines could interleave.
+    line = f"attempt {attempt} rank {rank} sum {float(total)} shared store {store}\n"
+    sys.stdout.write(line)
+    sys.stdout.flush()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
