@@ -477,7 +477,7 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
     # to its collective. Keep the trace's order (the eager step's: a unit gathered ahead)
     # and let the greedy pass move waits down. (Its iterative variant let an in-place
     # update of donated buffers overtake a collective still in flight: wrong numbers.)
-    overlap = {
+    overlap: dict[str, Any] = {
         "reorder_for_peak_memory": False,
         "reorder_for_compute_comm_overlap": True,
         "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
@@ -487,6 +487,11 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    if any(t.is_cuda for t in tensors):
+        # On an H100 with torch 2.11, inductor's loop reordering during fusion asserted on a
+        # GPT step's graph (scheduler.reorder_loops_by_dep_pair); without it the step
+        # compiled and followed eager. Not seen on the CPU; torch 2.13 not run on a GPU.
+        overlap["loop_ordering_after_fusion"] = False
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fake = [mode.from_tensor(t, static_shapes=True) for t in tensors]
     with torch._inductor.config.patch(overlap):
