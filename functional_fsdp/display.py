@@ -320,7 +320,11 @@ def _legend(sizes: Mapping[str, int], standard: bool = False) -> Any:
 
 
 def _console(console: Any) -> tuple[Any, bool]:
-    """``console``, or a new default one; and whether it is new (then it may be widened)."""
+    """``console``, or a new default one; and whether it is new (then it may be widened).
+
+    A new console is as wide as rich makes it, the same width the planner's command line
+    uses: the terminal's, else ``COLUMNS``, else 80 (a pipe, a file); in Jupyter it widens
+    to fit (see :func:`_print`)."""
     if console is not None:
         return console, False
     from rich.console import Console
@@ -347,9 +351,9 @@ def _natural_width(console: Any, renderable: Any) -> int:
 
 
 def _print(renderable: Any, console: Any, widen: bool) -> None:
-    """Print on ``console``. A default console (``widen``) is widened to fit in Jupyter and in
-    files (a terminal keeps its width, and long cells fold there)."""
-    if widen and (not console.is_terminal or console.is_jupyter):
+    """Print on ``console``. A default console (``widen``) is widened to fit in Jupyter (its
+    HTML output scrolls); a terminal or a pipe keeps rich's width, as the planner does."""
+    if widen and console.is_jupyter:
         console.width = max(console.width, _natural_width(console, renderable))
     console.print(renderable)
 
@@ -368,7 +372,9 @@ def visualize(tree: Any, *, console: Any = None, legend: bool = True) -> None:
 
     Args:
         tree: a ``Sharded`` value or a pytree holding some.
-        console: a ``rich`` console to print on (default: a new one, HTML in Jupyter).
+        console: a ``rich`` console to print on (default: a new one as wide as the
+            terminal, ``COLUMNS``, or 80 through a pipe, as the planner's command line;
+            HTML in Jupyter).
         legend: print the colour of every mesh coordinate first (for up to 64 coordinates,
             on a console that shows colour).
 
@@ -399,8 +405,8 @@ def visualize(tree: Any, *, console: Any = None, legend: bool = True) -> None:
     if legend and shown:  # without colour, the labels in the cells say it all
         meshes = {tuple(axis_sizes(v.mesh).items()): None for _, v in leaves}
         parts += [_legend(dict(m), standard) for m in meshes if math.prod(s for _, s in m) <= 64]
-    # A default console in Jupyter or a file widens to fit; a terminal keeps its width.
-    width = None if new and (not console.is_terminal or console.is_jupyter) else console.width
+    # A default console in Jupyter widens to fit; a terminal or a pipe keeps its width.
+    width = None if new and console.is_jupyter else console.width
     for path, value in leaves:
         parts += _table(_grid(value), path, standard, width)
     _print(Group(*parts), console, new)
@@ -454,7 +460,9 @@ def describe(tree: Any, *, console: Any = None) -> None:
 
     Args:
         tree: a pytree of ``Sharded`` values (other leaves are skipped).
-        console: a ``rich`` console to print on (default: a new one, HTML in Jupyter).
+        console: a ``rich`` console to print on (default: a new one as wide as the
+            terminal, ``COLUMNS``, or 80 through a pipe, as the planner's command line;
+            HTML in Jupyter).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -506,7 +514,7 @@ def describe(tree: Any, *, console: Any = None) -> None:
     caption = f"local {total_local:,} bytes per rank of {total_global:,} in total"
     table.caption = caption
     console, new = _console(console)
-    widened = new and (not console.is_terminal or console.is_jupyter)  # fits by construction
+    widened = new and console.is_jupyter  # fits by construction
     if widened or _natural_width(console, table) <= console.width:
         _print(table, console, new)
         return

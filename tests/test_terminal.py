@@ -53,6 +53,36 @@ def test_describe_never_breaks_a_path_at_80_columns(lora_params):
         assert str(value.global_shape) in row and str(value.layout.local_shape) in row
 
 
+@pytest.mark.parametrize("columns", ["80", None, "200"])
+def test_describe_and_visualize_through_a_pipe_take_the_planners_width(
+    lora_params, monkeypatch, capsys, columns
+):
+    # A default console through a pipe is as wide as the planner's command line makes its
+    # tables: COLUMNS, else 80 (rich's width), never widened to fit the table.
+    from functional_fsdp.planner._render import terminal_width
+
+    for key in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE", "JUPYTER_COLUMNS"):
+        monkeypatch.delenv(key, raising=False)
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", columns)
+    width = terminal_width()
+    assert width == int(columns or 80)
+    ff.describe(lora_params)
+    described = capsys.readouterr().out
+    some = dict(itertools.islice(lora_params.items(), 3))
+    ff.visualize(some)
+    pictures = capsys.readouterr().out
+    for text in (described, pictures):
+        assert max(map(len, text.splitlines())) <= width
+        assert "…" not in text and "\x1b[" not in text
+    rows = [line for line in described.splitlines() if line.startswith("│")]
+    if width == 80:  # too narrow for the table: each path whole on a line of its own
+        assert not rows and all(name in described.splitlines() for name in lora_params)
+    else:  # a table row per parameter, as wide as it needs
+        assert len(rows) == len(lora_params)
+        assert max(map(len, described.splitlines())) > 80
+
+
 def _labels_and_backgrounds(tree, color_system: str) -> dict[str, set[int | None]]:
     """Each cell label of ``ff.visualize``'s grids, and the background colours (as numbers
     of a terminal with that colour system) it was drawn in."""
