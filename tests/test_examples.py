@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -55,6 +56,55 @@ def test_train_gpt_loss_falls(extra):
     first, last = map(float, re.search(r"loss: first ([\d.]+), last ([\d.]+)", out).groups())
     assert last < first - 0.5, out
     assert "sample:" in out
+
+
+# --------------------------------------------------------------------------- the README's figures
+
+
+def _readme_training_example() -> tuple[re.Match, str]:
+    """README.md's paragraph on the training example (its defaults and losses), and the
+    sample text it quotes."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"\*\*Training example\*\* \(`torchrun --nproc-per-node 2 examples/train_gpt\.py`, "
+        r"the defaults: (\d+) steps,\s+(\d+) layers, width (\d+), global batch (\d+)×(\d+),"
+        r".*?fell from ([\d.]+) to ([\d.]+) \(mean of the last 10 steps: ([\d.]+)\)"
+        r".*?```text\n(.*?)```",
+        readme,
+        re.S,
+    )
+    assert found, "README.md's training example paragraph has changed its form"
+    return found, found.group(9)
+
+
+def test_the_readme_states_the_training_examples_defaults(monkeypatch):
+    # The figures and the sample the README quotes are those of the example's defaults.
+    found, _ = _readme_training_example()
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
+    spec = importlib.util.spec_from_file_location("_train_gpt", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args()
+    stated = tuple(int(found.group(i)) for i in range(1, 6))
+    assert stated == (args.steps, args.layers, args.width, args.batch_size, args.block_size)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FF_README_EXAMPLE"),
+    reason="runs the README's first example in full (600 steps: about 1 min on an idle "
+    "2-core machine, 3 min under load); set FF_README_EXAMPLE=1",
+)
+def test_the_readme_quotes_what_the_training_example_prints():
+    found, quoted = _readme_training_example()
+    out = _torchrun("examples/train_gpt.py")
+    losses = re.search(r"loss: first ([\d.]+), last ([\d.]+) \(mean of last 10: ([\d.]+)\)", out)
+    assert losses, out
+    assert losses.groups() == found.group(6, 7, 8), out
+    printed = out.split("sample:\n", 1)[1]
+    assert [line.rstrip() for line in printed.strip("\n").splitlines()] == [
+        line.rstrip() for line in quoted.strip("\n").splitlines()
+    ], printed
 
 
 def test_shard_gather_demo():
