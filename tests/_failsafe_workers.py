@@ -517,20 +517,3 @@ def checked_train_step() -> dict:
     losses, params, _ = _gpt_steps(3, check=False)
     checked_losses, checked_params, _ = _gpt_steps(3, check=True)
     return {"same": losses == checked_losses and _same(params, checked_params)}
-
-
-def debug_cost(steps: int = 20, cfg: Any = CFG, repeats: int = 3) -> dict:
-    """Milliseconds per train step of a GPT without and with the debug checks (best of
-    ``repeats`` interleaved runs, to share the machine's noise), and the collectives per step."""
-    with_check, without = [], []
-    for _ in range(repeats):
-        without.append(_gpt_steps(steps, check=False, cfg=cfg)[2])
-        with_check.append(_gpt_steps(steps, check=True, cfg=cfg)[2])
-    with ff.count_comms() as comms:
-        _gpt_steps(2, check=False, cfg=cfg)
-    return {
-        "off_ms": round(1e3 * min(without), 2),
-        "on_ms": round(1e3 * min(with_check), 2),
-        "collectives_per_step": comms.count() / 2,
-        "params": sum(p.numel() for p in GPT(cfg).parameters()),
-    }
