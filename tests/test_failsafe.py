@@ -239,6 +239,12 @@ def test_a_rank_failing_inside_a_step_ends_the_others_with_a_named_error():
         ):
             assert part in r["error"], (part, r["error"])
     assert exited[1][0] == "raised" and exited[1][1]["type"] == "Boom"
+    # README.md quotes these (pytest -s): how long rank 0 took to fail after rank 1 raised.
+    print(
+        f"rank 1 raised and exited: rank 0 failed {exited[0][1]['at'] - exited[1][1]['at']:.2f} s "
+        f"later; rank 1 stayed alive: {alive[0][1]['at'] - alive[1][1]['at']:.2f} s later "
+        f"(timeout=3)"
+    )
     assert exited[0][1]["at"] - exited[1][1]["at"] < 3.0  # the peer went away: no timeout
     assert alive[0][1]["error"].count("Timed out") == 1 and "(now 3 s)" in alive[0][1]["error"]
     assert 2.9 < alive[0][1]["at"] - alive[1][1]["at"] < 20.0
