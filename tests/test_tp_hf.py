@@ -35,6 +35,13 @@ def _check(result: dict, grads: int | None = None) -> None:
         assert result["grads"] == grads, result
 
 
+def _print_largest(what: str, results: list[dict]) -> None:
+    """The largest differences over ranks and cases (README.md quotes them; ``pytest -s``)."""
+    loss = max(r["loss_diff"] for r in results)
+    grads = max(r["grad_err"] for r in results)
+    print(f"{what}: loss {loss:.2g}, gradients {grads:.2g}")
+
+
 # --------------------------------------------------------------------------- real gloo, 2x2
 
 
@@ -42,16 +49,20 @@ def _check(result: dict, grads: int | None = None) -> None:
 def test_gloo_llama_plan_matches_single_process(pools):
     # GQA Llama on (dp=2, tp=2): loss-parallel and gathered logits, sequence parallel, and
     # biases + tied embedding + padding_idx.
-    for rank_results in pools.run(4, W.gloo_llama_vs_reference):
+    results = pools.run(4, W.gloo_llama_vs_reference)
+    for rank_results in results:
         assert len(rank_results) == len(W.LLAMA_CASES)
         for result in rank_results:
             _check(result)
+    _print_largest("llama_plan on 2x2 vs one process", [r for rs in results for r in rs])
 
 
 @pytest.mark.multiprocess
 def test_gloo_llama_plan_matches_torch_fsdp2_and_parallelize_module(pools):
-    for result in pools.run(4, W.gloo_llama_vs_torch):
+    results = pools.run(4, W.gloo_llama_vs_torch)
+    for result in results:
         _check(result, grads=len(list(W.new_llama().parameters())))
+    _print_largest("llama_plan on 2x2 vs FSDP2 + parallelize_module", results)
 
 
 @pytest.mark.multiprocess
