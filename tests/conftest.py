@@ -17,6 +17,19 @@ from functional_fsdp.launcher import ProcessPool
 
 _POOLS: dict[int, ProcessPool] = {}
 
+# How many tests the whole suite has, when this run collected all of it (README.md states the
+# number; tests/test_readme.py compares).
+SUITE_SIZE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k, -m and --deselect drop any
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    whole = config.args_source is pytest.Config.ArgsSource.TESTPATHS and not (
+        config.getoption("ignore") or config.getoption("ignore_glob")
+    )
+    if whole:
+        config.stash[SUITE_SIZE] = len(items)
+
 
 class Pools:
     """``pools.run(world_size, fn, *args)`` runs ``fn`` on a reused pool of that size."""

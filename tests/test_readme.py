@@ -22,6 +22,7 @@ import torch
 import functional_fsdp as ff
 
 from . import _readme_workers as W
+from .conftest import SUITE_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -70,7 +71,8 @@ def readme_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+README_TEXT = README.read_text()
+BLOCKS = readme_blocks(README_TEXT)
 
 
 def test_the_parser_finds_blocks_and_markers():
@@ -122,6 +124,19 @@ def test_the_one_screen_in_a_notebook_is_right_on_every_simulated_rank():
     ):
         exec(old, {"torch": torch, "global_batch": torch.zeros(4, 3)})
     assert torch.distributed.get_rank.__module__ == "torch.distributed.distributed_c10d"
+
+
+def test_the_readme_counts_the_tests(request):
+    # The README's test count is what `python -m pytest --collect-only -q` collects; known
+    # here only when this run collected the whole suite (no paths given).
+    if SUITE_SIZE not in request.config.stash:
+        pytest.skip("the whole suite was not collected: run python -m pytest without paths")
+    found = re.search(
+        r"The suite has ([\d,]+) tests \(`python -m pytest\s+--collect-only -q`", README_TEXT
+    )
+    assert found, "README.md no longer says how many tests the suite has"
+    stated, collected = int(found.group(1).replace(",", "")), request.config.stash[SUITE_SIZE]
+    assert stated == collected, f"README.md says the suite has {stated} tests; it has {collected}"
 
 
 def test_the_api_reference_documents_every_public_name_once():
