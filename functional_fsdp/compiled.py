@@ -133,7 +133,7 @@ class Jitted:
 
     def __call__(self, *args: Any) -> Any:
         tensors, static, treedef = _flatten_args(args)
-        compiled = self._lookup(args, tensors, static, treedef)
+        compiled = self._lookup(tensors, static, treedef)
         outs = compiled.run(*tensors)
         for counter in accounting.active_counters():
             counter.records.extend(compiled.records)
@@ -144,11 +144,9 @@ class Jitted:
 
     def lower(self, *args: Any) -> Compiled:
         """The compilation for these arguments (traced and compiled on first sight)."""
-        return self._lookup(args, *_flatten_args(args))
+        return self._lookup(*_flatten_args(args))
 
-    def _lookup(
-        self, args: tuple[Any, ...], tensors: list[torch.Tensor], static: list[Any], treedef: Any
-    ) -> Compiled:
+    def _lookup(self, tensors: list[torch.Tensor], static: list[Any], treedef: Any) -> Compiled:
         key = _signature(tensors, static, treedef)
         compiled = self._cache.get(key)
         if compiled is None:
