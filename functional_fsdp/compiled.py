@@ -133,7 +133,7 @@ class Jitted:
 
     def __call__(self, *args: Any) -> Any:
         tensors, static, treedef = _flatten_args(args)
-        compiled = self._lookup(args, tensors, static, treedef)
+        compiled = self._lookup(tensors, static, treedef)
         outs = compiled.run(*tensors)
         for counter in accounting.active_counters():
             counter.records.extend(compiled.records)
@@ -144,11 +144,9 @@ class Jitted:
 
     def lower(self, *args: Any) -> Compiled:
         """The compilation for these arguments (traced and compiled on first sight)."""
-        return self._lookup(args, *_flatten_args(args))
+        return self._lookup(*_flatten_args(args))
 
-    def _lookup(
-        self, args: tuple[Any, ...], tensors: list[torch.Tensor], static: list[Any], treedef: Any
-    ) -> Compiled:
+    def _lookup(self, tensors: list[torch.Tensor], static: list[Any], treedef: Any) -> Compiled:
         key = _signature(tensors, static, treedef)
         compiled = self._cache.get(key)
         if compiled is None:
@@ -471,30 +469,35 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
     if backend == "eager":
         return graph
     from torch._inductor.compile_fx import compile_fx
-
-    # Inductor's scheduler would otherwise move each collective down to its wait (its peak
-    # memory pass delays the gathered buffers, which undoes the prefetch) and each wait up
-    # to its collective. Keep the trace's order (the eager step's: a unit gathered ahead)
-    # and let the greedy pass move waits down. (Its iterative variant let an in-place
-    # update of donated buffers overtake a collective still in flight: wrong numbers.)
-    overlap: dict[str, Any] = {
-        "reorder_for_peak_memory": False,
-        "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
-    }
-    # Fake inputs from a mode with a shape environment (static shapes): what inductor's
-    # caches key on, so a second run of the same program loads the compiled graph.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    options: dict[str, Any] = {
+        # Inductor's peak-memory pass would move each collective down to its wait (delaying
+        # the gathered buffers undoes the prefetch). Keep the trace's order (the eager
+        # step's: a unit gathered ahead) and let the greedy pass move waits down. (Its
+        # iterative variant let an in-place update of donated buffers overtake a collective
+        # still in flight: wrong numbers.)
+        "reorder_for_peak_memory": False,
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+        # A whole step inlines long pointwise chains (gradient unpacking, clipping, the
+        # optimizer's scalars) into the optimizer's loops; on the CPU that made one kernel
+        # slower than all the step's matrix products (a 12 MiB GPT: 1.2-1.4x the eager step).
+        # Materializing expressions of more than 4 ops keeps each loop simple (0.98x there,
+        # and faster at the smaller widths too).
+        "realize_opcount_threshold": 4,
+    }
     if any(t.is_cuda for t in tensors):
         # On an H100 with torch 2.11, inductor's loop reordering during fusion asserted on a
         # GPT step's graph (scheduler.reorder_loops_by_dep_pair); without it the step
         # compiled and followed eager. Not seen on the CPU; torch 2.13 not run on a GPU.
-        overlap["loop_ordering_after_fusion"] = False
+        options["loop_ordering_after_fusion"] = False
+    # Fake inputs from a mode with a shape environment (static shapes): what inductor's
+    # caches key on, so a second run of the same program loads the compiled graph.
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fake = [mode.from_tensor(t, static_shapes=True) for t in tensors]
-    with torch._inductor.config.patch(overlap):
+    with torch._inductor.config.patch(options):
         return compile_fx(graph, fake)
 
 

@@ -32,6 +32,7 @@ CHECKED = {
     "In one screen": "one_screen",
     "Hugging Face models, LoRA, and models bigger than one rank": "lora",
     "2D: FSDP + tensor parallelism": "2d",
+    "A compiled step: `ff.jit`": "jit",
 }
 
 
