@@ -479,3 +479,35 @@ def test_default_checks_cost_one_all_gather_per_call_and_axis_and_none_per_step(
         assert f"\n  {first}: checksum " in r["differs"], r["differs"]
         assert f"\n  rank {odd}: checksum " in r["differs"]
         assert r["healthy"] == axes["dp"]
+
+
+def gloo_threads(axes: dict[str, int]) -> dict[str, tuple[int, float]]:
+    """How many threads each gloo group of this process runs collectives on, and its timeout
+    in seconds: the world's, each mesh axis's and a checkpoint manager's
+    (functional_fsdp/distributed/gloo.py)."""
+    import torch.distributed as dist
+
+    from functional_fsdp.distributed import gloo
+
+    def seen(group: object) -> tuple[int, float]:
+        backend = group._get_backend(torch.device("cpu"))  # type: ignore[attr-defined]
+        return gloo.threads(group), backend.options._timeout.total_seconds()
+
+    mesh = ff.make_mesh(axes)
+    manager = ff.checkpoint.CheckpointManager("/nonexistent-ff-dir", save_every=10)
+    try:
+        found = {"world": seen(dist.group.WORLD), "checkpoint": seen(manager._group)}
+    finally:
+        manager.close()
+    return found | {axis: seen(mesh.get_group(axis)) for axis in axes}
+
+
+@pytest.mark.parametrize("world,axes", [(2, {"dp": 2}), (4, {"dp": 2, "tp": 2})])
+def test_every_gloo_group_runs_its_collectives_on_one_thread(pools, world, axes):
+    """Two collectives of one gloo group running at once can corrupt torch 2.13's heap
+    (benchmarks/gloo_threads.py reproduces it without this library): every group the library
+    creates runs them on one thread, in the order they are issued, with the job's collective
+    timeout (the pools': 120 s)."""
+    want = {name: (1, 120.0) for name in ("world", "checkpoint", *axes)}
+    for rank, found in enumerate(pools.run(world, gloo_threads, axes)):
+        assert found == want, (rank, found)

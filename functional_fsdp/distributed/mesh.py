@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..spec import did_you_mean
-from . import checks, restarts
+from . import checks, gloo, restarts
 from .axes import Axis as Axis
 from .axes import MeshGrid as MeshGrid
 from .axes import _simulation_paused as _simulation_paused
@@ -188,6 +188,12 @@ def init_distributed(
     torch's watchdog ends a process whose collective timed out (the library's named error
     needs ``TORCH_NCCL_BLOCKING_WAIT=1``).
 
+    gloo groups created from here on (the world's, the mesh axes', a checkpoint manager's) run
+    their collectives on one thread each, in the order they are issued, still asynchronously:
+    with torch's two threads, two collectives of one group running at once can corrupt the
+    process's heap (:mod:`functional_fsdp.distributed.gloo`, ``benchmarks/gloo_threads.py``).
+    Start the job here rather than with ``torch.distributed.init_process_group`` on gloo.
+
     Args:
         backend: the c10d backend; ``None`` means NCCL on CUDA (gloo when oversubscribing)
             and gloo on the CPU.
@@ -211,6 +217,7 @@ def init_distributed(
     """
     chosen = _timeout(timeout)
     _check_backend(backend)
+    gloo.use_one_thread()  # before any group exists: see functional_fsdp/distributed/gloo.py
     if checks._env_check():  # the debug switch, read again once the run starts
         checks._CHECK = True
     single = "RANK" not in os.environ
