@@ -487,11 +487,10 @@ def gloo_threads(axes: dict[str, int]) -> dict[str, tuple[int, float]]:
     (functional_fsdp/distributed/gloo.py)."""
     import torch.distributed as dist
 
-    from functional_fsdp.distributed import gloo
-
     def seen(group: object) -> tuple[int, float]:
         backend = group._get_backend(torch.device("cpu"))  # type: ignore[attr-defined]
-        return gloo.threads(group), backend.options._timeout.total_seconds()
+        assert isinstance(backend, dist.ProcessGroupGloo), type(backend)
+        return backend.options._threads, backend.options._timeout.total_seconds()
 
     mesh = ff.make_mesh(axes)
     manager = ff.checkpoint.CheckpointManager("/nonexistent-ff-dir", save_every=10)
