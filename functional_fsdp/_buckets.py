@@ -128,8 +128,9 @@ def issue_gather(
     meta: Any = None,
 ) -> torch.Tensor:
     """Issue ``rnd``'s all-gather of ``inputs`` (its pieces' blocks, in order); no wait."""
-    flat = inputs[0].reshape(-1) if len(inputs) == 1 else torch.cat([t.reshape(-1) for t in inputs])
-    return C.raw_all_gather(flat, mesh, rnd.axis, counters=counters, meta=meta)
+    if len(inputs) == 1:
+        return C.raw_all_gather(inputs[0].reshape(-1), mesh, rnd.axis, counters=counters, meta=meta)
+    return C.raw_all_gather_parts(inputs, mesh, rnd.axis, counters=counters, meta=meta)
 
 
 def unpack_gathered(gathered: torch.Tensor, rnd: Round, outs: Sequence[torch.Tensor]) -> None:

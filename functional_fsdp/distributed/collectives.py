@@ -25,7 +25,7 @@ The names of those modules that the rest of the library uses are re-exported her
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -40,13 +40,13 @@ from .accounting import Counters as Counters
 from .accounting import active_counters as active_counters
 from .accounting import count_comms as count_comms
 from .accounting import record
-from .axes import axis_sizes, check_axes
+from .axes import axis_sizes, check_axes, local_coordinate
 from .checks import check_collective
 from .checks import check_collectives as check_collectives
 from .checks import check_same_on_ranks as check_same_on_ranks
 from .failures import CollectiveError as CollectiveError
 from .failures import What, failure, wait_tensor
-from .simulate import check_alive
+from .simulate import check_alive, is_simulated
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -132,6 +132,41 @@ def raw_all_gather(
             what,
         )
     return _tag(out.view(n, *x.shape), what)
+
+
+def raw_all_gather_parts(
+    parts: Sequence[torch.Tensor],
+    mesh: DeviceMesh,
+    axis: str,
+    *,
+    counters: Counters = None,
+    meta: Any = None,
+) -> torch.Tensor:
+    """All-gather the concatenation of ``parts`` (each flattened) over ``axis``:
+    ``[size(axis), total numel]``. Not differentiable; returns an async tensor.
+
+    On real processes, outside a trace, the parts are copied straight into this rank's row of
+    the output, which is gathered in place (as FSDP2 does): no separate input buffer is held
+    while the collective is in flight. Traced or simulated, the parts are concatenated first
+    (:func:`raw_all_gather`). ``meta`` as for :func:`raw_all_gather`.
+    """
+    n = axis_sizes(mesh)[axis]
+    if n == 1 or is_simulated() or torch.compiler.is_compiling():
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        return raw_all_gather(flat, mesh, axis, counters=counters, meta=meta)
+    total = sum(p.numel() for p in parts)
+    out = parts[0].new_empty(n * total)
+    row = out.narrow(0, local_coordinate(mesh)[axis] * total, total)
+    torch.cat([p.reshape(-1) for p in parts], out=row)
+    if checks._CHECK:
+        check_collective("all_gather", mesh, axis, row, None, meta)
+    record("all_gather", axis, n, _nbytes(row) * n, row.dtype, counters)
+    what: What = ("all_gather", mesh, axis, row.shape, row.dtype)
+    with torch.no_grad():
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor_out(
+            row, n, _group_name(mesh, axis), out=out
+        )
+    return _tag(_issued(gathered, what).view(n, total), what)
 
 
 def raw_reduce_scatter(
