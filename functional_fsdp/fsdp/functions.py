@@ -9,16 +9,19 @@ pytree sees them (``ModelOutput`` and any registered node), and dataclasses too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as torch_pytree
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .. import rng
 from .units import Call, InFlight, _plain
@@ -44,26 +47,175 @@ class UnitGather(torch.autograd.Function):
         frozen = [o for s, o in zip(inputs[1:], output) if not s.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
-        ctx.dtypes = [t.dtype for t in inputs[1:]]
-        ctx.devices = [t.device for t in inputs[1:]]  # the host, for offloaded shards
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         call: Call = ctx.call
+        if call.reduced is not None:  # by the call's own backward (see reduce_early)
+            out, call.reduced = call.reduced, None
+            return (None, *out)
         needs = [ctx.needs_input_grad[1 + i] for i in range(len(grads))]
         # Communication and bookkeeping on plain tensors, below any torch.func level: the
         # returned gradients are constants to outer transforms (FSDP is not differentiated
         # twice), and the transforms' per-op overhead is avoided.
-        with torch.no_grad(), torch._C._DisableFuncTorch():
-            call.unit.in_flight.finish()  # the previous unit's reduce-scatter: one in flight
-            plain = [_plain(g) if need and g is not None else None for g, need in zip(grads, needs)]
-            reduced = call.unit.reduce(plain, ctx.dtypes)
-            out = [
-                g if g is None else g.to(device=device, dtype=dtype)
-                for g, dtype, device in zip(reduced, ctx.dtypes, ctx.devices)
-            ]
-        call.free("backward")
-        return (None, *out)
+        plain = [_plain(g) if need and g is not None else None for g, need in zip(grads, needs)]
+        return (None, *call.reduce(plain))
+
+
+def reduce_early(
+    call: Call | None, n_params: int, diff: list[int], leaves: list[torch.Tensor], got: list[Any]
+) -> None:
+    """Reduce a self-contained call's parameter gradients in its own backward, where they
+    are the backward's own tensors: freed once packed, before the reduce-scatter is issued
+    (the gather's backward would receive them from autograd, which holds them throughout).
+
+    Flat inputs ``0..n_params-1`` of the call's graph are its gathered parameters;
+    ``leaves[k]`` is flat input ``diff[k]`` as the graph's input and ``got[k]`` its gradient.
+    The parameters' entries of ``got`` become zero-size stand-ins for the gather's backward,
+    which hands on ``call.reduced`` instead. A parameter that requires grad and got none
+    counts as zeros, as the gather's backward would have received it.
+    """
+    if call is None or not any(i < n_params for i in diff):
+        return
+    grads: list[torch.Tensor | None] = [None] * n_params
+    for k, i in enumerate(diff):
+        if i < n_params:
+            g, got[k] = got[k], leaves[k].new_zeros(()).expand(leaves[k].shape)
+            grads[i] = g if g is not None else torch.zeros_like(leaves[k])
+    del g
+    call.reduced = call.reduce(grads)
+
+
+class GradFence(torch.autograd.Function):
+    """Identity on one gathered parameter as one module reads it; its gradient passes on
+    as a constant (below any ``torch.func`` level) as soon as that use's backward is done.
+
+    Inside ``torch.func.grad``, whose backward records its own history for higher
+    derivatives, a parameter's gradient holds that history (the backward's temporaries and
+    the activations they saved) until it is read. Without the fence it is read by the
+    unit's gather backward, after the unit's whole backward (and, for a weight tied to a
+    module that runs last, after the whole backward pass: the logits' gradient of a tied
+    LM head). FSDP is not differentiated twice.
+    """
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _plain(grad)
+
+
+class Isolated:
+    """One unit call that :class:`Isolate` runs with its own plain autograd graph.
+
+    ``fn(*flat)`` is the call; ``diff`` the positions in ``flat`` of the tensors to
+    differentiate. The forward keeps the graph (its outputs and its leaves) for the backward,
+    which drops it.
+    """
+
+    def __init__(self, fn: Callable[..., Any], diff: list[int], call: Call, n_params: int) -> None:
+        self.fn: Callable[..., Any] | None = fn  # dropped once run (it holds module copies)
+        self.diff = diff
+        # The unit call whose parameters are flat inputs 0..n_params-1: their gradients are
+        # reduced in this call's backward (see reduce_early).
+        self.call, self.n_params = call, n_params
+        self.leaves: list[torch.Tensor] = []  # detached copies of flat[diff]: the graph's inputs
+        # Per tensor leaf of the output, where its gradient enters the graph (None: nowhere).
+        # Edges, not the tensors: an output is freed when the code after the unit is done.
+        self.edges: list[GradientEdge | None] = []
+        self.out_def: torch_pytree.TreeSpec | None = None
+        self.out_others: list[Any] = []  # the output's non-tensor leaves, as returned
+        self.out_is_tensor: list[bool] = []
+
+    def first(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        args = list(flat)
+        fn, self.fn = self.fn, None
+        with torch.enable_grad():
+            for i in self.diff:
+                args[i] = args[i].detach().requires_grad_()
+            self.leaves = [args[i] for i in self.diff]
+            out = fn(*args)  # type: ignore[misc]
+        leaves, self.out_def = flatten(out)
+        self.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self.out_others = [x for x in leaves if not isinstance(x, torch.Tensor)]
+        outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self.edges = [get_gradient_edge(x) if x.requires_grad else None for x in outs]
+        return tuple(x.detach() for x in outs)
+
+    def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        it, others = iter(tensors), iter(self.out_others)
+        leaves = [next(it) if is_t else next(others) for is_t in self.out_is_tensor]
+        return torch_pytree.tree_unflatten(leaves, self.out_def)  # type: ignore[arg-type]
+
+
+class Isolate(torch.autograd.Function):
+    """Run a unit call with plain autograd inside ``torch.func``; backward runs its graph.
+
+    Inside ``torch.func.grad`` the backward records its own history (for higher
+    derivatives), which would keep the unit's backward temporaries, and the activations they
+    saved, alive until the unit's whole backward is done. Here the unit runs on plain
+    tensors (``torch.func`` runs a Function's forward below its level) with a graph of its
+    own, and the backward runs that graph with plain autograd, which frees each saved tensor
+    as soon as its node has run, as ``loss.backward()`` does. The same operations in the same
+    order, so the same gradients; they pass on as constants (FSDP is not differentiated twice).
+    Returns the output's tensor leaves; ``job.output`` rebuilds the output.
+    """
+
+    @staticmethod
+    def forward(job: Isolated, *flat: Any) -> Any:  # type: ignore[override]
+        return job.first(flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.job, ctx.n = inputs[0], len(inputs) - 1
+        ctx.set_materialize_grads(False)  # an output nothing used adds nothing, not zeros
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        job: Isolated = ctx.job
+        edges, leaves = job.edges, job.leaves
+        job.edges, job.leaves = [], []  # the graph dies with this backward
+        got = list(plain_grads(edges, grads, leaves))
+        del edges
+        reduce_early(job.call, job.n_params, job.diff, leaves, got)
+        result: list[Any] = [None] * ctx.n
+        for i, g in zip(job.diff, got):
+            result[i] = g
+        return (None, *result)
+
+
+@contextlib.contextmanager
+def _below_transform() -> Iterator[None]:
+    """Run below the innermost ``torch.func`` level, if any: where ``torch.func`` runs an
+    autograd.Function's forward (an isolated unit's, a checkpointed unit's first run)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        yield
+        return
+    with temporarily_pop_interpreter_stack():
+        yield
+
+
+def plain_grads(
+    outs: list[GradientEdge | torch.Tensor | None],
+    grads: tuple[torch.Tensor | None, ...],
+    leaves: list[torch.Tensor],
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``leaves`` given those of ``outs`` (``None``: no gradient flows
+    there), computed with plain autograd below any ``torch.func`` level (the graph from
+    ``outs`` to ``leaves`` was recorded on plain tensors). Not differentiable."""
+    used = [(o, _plain(g)) for o, g in zip(outs, grads) if g is not None and o is not None]
+    if not used:
+        return (None,) * len(leaves)
+    with torch._C._DisableFuncTorch():
+        return torch.autograd.grad(
+            [o for o, _ in used], leaves, [g for _, g in used], allow_unused=True
+        )
 
 
 class PreBackward(torch.autograd.Function):
@@ -212,8 +364,21 @@ class Replay:
     and how to rebuild the output (tensors from autograd, everything else as returned).
     """
 
-    def __init__(self, fn: Callable[..., Any], call: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        call: Callable[[], Any] | None = None,
+        *,
+        plain: bool = False,
+        unit: tuple[Call, int] | None = None,
+    ) -> None:
         self.fn, self.call = fn, call  # call: the forward on the caller's own input objects
+        # Recompute with plain autograd below any torch.func level (the arithmetic of an
+        # isolated unit: see Isolate), else with torch.func.vjp.
+        self.plain = plain
+        # With plain: the unit call whose parameters are the first flat inputs, and how
+        # many; their gradients are reduced in the recompute's backward (see reduce_early).
+        self.unit = unit
         self.rng: Any = None
         self.others: list[Any] = []  # the non-tensor inputs, snapshotted before the forward
         self.out_def: torch_pytree.TreeSpec | None = None
@@ -263,6 +428,7 @@ class Checkpoint(torch.autograd.Function):
         ctx.replay = inputs[0]
         ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs[1:]]
         ctx.save_for_backward(*(x for x in inputs[1:] if isinstance(x, torch.Tensor)))
+        ctx.set_materialize_grads(False)  # an output nothing used adds nothing (plain)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
@@ -271,18 +437,34 @@ class Checkpoint(torch.autograd.Function):
         flat: list[Any] = [next(tensors) if is_t else None for is_t in ctx.is_tensor]
         diff = [i for i, is_t in enumerate(ctx.is_tensor) if is_t and ctx.needs_input_grad[1 + i]]
 
-        def recompute(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            args = list(flat)
-            for i, x in zip(diff, xs):
-                args[i] = x
-            return replay.again(args)
+        if replay.plain:  # as an isolated unit's backward: plain autograd, op by op
+            with _below_transform(), torch.enable_grad():
+                args = [_plain(x) if isinstance(x, torch.Tensor) else x for x in flat]
+                for i in diff:
+                    args[i] = args[i].detach().requires_grad_()
+                leaves = [args[i] for i in diff]
+                outs = [o if o.requires_grad else None for o in replay.again(args)]
+            got: Any = list(plain_grads(outs, grads, leaves))
+            del outs
+            if replay.unit is not None:
+                reduce_early(replay.unit[0], replay.unit[1], diff, leaves, got)
+        else:
 
-        # torch.func.vjp works both under plain autograd and inside torch.func transforms.
-        out, vjp_fn = torch.func.vjp(recompute, *(flat[i] for i in diff))
-        cotangents = tuple(
-            g if o.is_floating_point() or o.is_complex() else None for o, g in zip(out, grads)
-        )
-        got = vjp_fn(cotangents)
+            def recompute(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                args = list(flat)
+                for i, x in zip(diff, xs):
+                    args[i] = x
+                return replay.again(args)
+
+            # torch.func.vjp works both under plain autograd and inside torch.func transforms.
+            out, vjp_fn = torch.func.vjp(recompute, *(flat[i] for i in diff))
+            cotangents = tuple(
+                (g if g is not None else torch.zeros_like(o))
+                if o.is_floating_point() or o.is_complex()
+                else None
+                for o, g in zip(out, grads)
+            )
+            got = vjp_fn(cotangents)
         result: list[Any] = [None] * len(flat)
         for i, g in zip(diff, got):
             result[i] = g

@@ -14,6 +14,7 @@ a tensor-parallel plan, ``ff.tensor_parallel``'s ``{pattern: style}``, or the pl
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,23 @@ class ModelLayout:
     specs: dict[str, P]
     expected: dict[str, tuple[tuple[int, ...], P, torch.dtype]]
     placeholders: dict[str, torch.Tensor]
+
+    @functools.cached_property
+    def self_contained(self) -> frozenset[str]:
+        """The units whose module tree reads no parameter of another unit: it holds no other
+        unit's module, and no weight of another unit (one shared with it) lies in it."""
+        foreign = {
+            u: [
+                a for other, up in self.units.items() if other != u for al in up.aliases for a in al
+            ]
+            for u in self.order
+        }
+        return frozenset(
+            u
+            for u in self.order
+            if not any(v.startswith(u + ".") for v in self.order)
+            and not any(a.startswith(u + ".") for a in foreign[u])
+        )
 
 
 def gather_rounds(

@@ -35,6 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._modules import copy_tree
 from .functions import (
     Checkpoint,
+    GradFence,
+    Isolate,
+    Isolated,
     PostBackward,
     PreBackward,
     ReduceFence,
@@ -67,10 +70,20 @@ def _slot(copies: dict[str, nn.Module], name: str) -> Slot:
     return weakref.ref(copies[path]), attr
 
 
-def _set(slots: Sequence[Sequence[Slot]], tensors: Sequence[torch.Tensor]) -> None:
+def _set(
+    slots: Sequence[Sequence[Slot]], tensors: Sequence[torch.Tensor], *, fence: bool = False
+) -> None:
+    """Install ``tensors`` in their slots (every alias); with ``fence``, each alias that
+    ``torch.func`` differentiates gets its own :class:`GradFence`."""
     for where, t in zip(slots, tensors):
+        fenced = fence and t.requires_grad and _transformed(t)
         for ref, attr in where:
-            ref()._parameters[attr] = t  # type: ignore[union-attr,assignment]
+            ref()._parameters[attr] = GradFence.apply(t) if fenced else t  # type: ignore[union-attr,assignment]
+
+
+def _transformed(t: Any) -> bool:
+    """Whether ``t`` is a tensor inside a ``torch.func`` transform (a wrapped tensor)."""
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 class _Forward:
@@ -156,6 +169,9 @@ def run(
         ref()._parameters[attr] = meta  # type: ignore[union-attr,assignment]
     if buffers:
         _set_buffers(copies, modules, buffers)
+        # A unit runs isolated on its arguments and its own parameters: one that could read a
+        # differentiated buffer runs in the transform's graph instead.
+        state.isolate = not _differentiated(buffers)
 
     by_path: dict[str, list[ModuleWrapper]] = {}
     for path, wrapper in wrappers:  # inner wrappers first (tensor-parallel styles)
@@ -171,7 +187,7 @@ def run(
     root = state.root_call()
     try:
         if root is not None:
-            _set(slots[""], _gather(root))
+            _install(state, slots[""], _gather(root))
         state.prefetch_forward(-1)
         if root is not None:
             state.note_compute("", "forward")
@@ -222,18 +238,71 @@ def _unit_forward(
         a, kw = cast_floating((a, kw), mp.param_dtype)
     where = slots[name]
     placeholders = state.layout.placeholders
+    # A unit whose code reads nothing differentiated but its arguments and its own
+    # parameters runs (or recomputes, if checkpointed) with plain autograd: see Isolate.
+    plain = state.isolate and name in state.layout.self_contained
     if use_ckpt:
-        out = _checkpointed(state, inner, where, tensors, unit.layout, placeholders, a, kw)
+        out = _checkpointed(
+            state, call, inner, where, tensors, unit.layout, placeholders, a, kw, plain
+        )
+    elif plain and _differentiated((tensors, a, kw)):
+        out = _isolated(state, call, inner, where, tensors, unit.layout, placeholders, a, kw)
     else:
-        _set(where, tensors)
+        _install(state, where, tensors)
         try:
             out = inner(*a, **kw)
         finally:
+            state.installed.pop()
             _restore(where, unit.layout, placeholders)
     if policy.reshard_after_forward:
         call.free("forward")
         out, call.hooked = attach(PreBackward, out, state.backward_hook(call, call.position))
+    # Modules that run after this call read the parameters installed around it through new
+    # fences: a fence's backward runs when autograd reaches its creation order, so one made
+    # before this call would hold its gradient (and history) until this call's backward.
+    for installed in state.installed:
+        _set(*installed, fence=True)
     return out
+
+
+def _install(state: CallState, where: list[list[Slot]], tensors: list[torch.Tensor]) -> None:
+    """Install a call's gathered parameters for the module code around the units inside it
+    (the root's, or an enclosing unit's), each alias through a :class:`GradFence`."""
+    _set(where, tensors, fence=True)
+    state.installed.append((where, tensors))
+
+
+def _differentiated(tree: Any) -> bool:
+    """Whether ``torch.func`` differentiates a tensor of ``tree``."""
+    return any(x.requires_grad for x in flatten(tree)[0] if _transformed(x))
+
+
+def _isolated(
+    state: CallState,
+    call: Call,
+    inner: Callable[..., Any],
+    where: list[list[Slot]],
+    params: list[torch.Tensor],
+    up: UnitLayout,
+    placeholders: dict[str, torch.Tensor],
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """A unit call under ``torch.func``, run with its own plain autograd graph
+    (:class:`Isolate`: its backward frees the unit's activations op by op)."""
+    leaves, treedef = flatten((list(params), args, kwargs))
+
+    def fn(*flat: Any) -> Any:
+        ps, a, kw = torch_pytree.tree_unflatten(list(flat), treedef)
+        _set(where, ps)
+        try:
+            return inner(*a, **kw)
+        finally:
+            _restore(where, up, placeholders)
+
+    diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    job = Isolated(fn, diff, call, len(params))
+    return job.output(Isolate.apply(job, *leaves))
 
 
 def _restore(
@@ -248,6 +317,7 @@ def _restore(
 
 def _checkpointed(
     state: CallState,
+    call: Call,
     inner: Callable[..., Any],
     where: list[list[Slot]],
     params: list[torch.Tensor],
@@ -255,6 +325,7 @@ def _checkpointed(
     placeholders: dict[str, torch.Tensor],
     args: Any,
     kwargs: Any,
+    plain: bool,
 ) -> Any:
     leaves, treedef = flatten((list(params), args, kwargs))
 
@@ -270,7 +341,8 @@ def _checkpointed(
     def fn(*flat: Any) -> Any:  # the recompute: rebuilt from the leaves
         return run(*torch_pytree.tree_unflatten(list(flat), treedef))
 
-    replay = Replay(fn, lambda: run(list(params), args, kwargs))
+    unit = (call, len(params)) if plain else None
+    replay = Replay(fn, lambda: run(list(params), args, kwargs), plain=plain, unit=unit)
     return replay.output(Checkpoint.apply(replay, *leaves))
 
 

@@ -223,6 +223,7 @@ class Unit:
     ) -> list[torch.Tensor | None]:
         """Reduce-scatter (and all-reduce) plain gradients onto the shards' layouts.
 
+        The entries of ``grads`` are dropped once packed into the reduce-scatter's buffer.
         When the unit needs one reduce-scatter and nothing after it, the reduce-scatter is left
         in flight (``self.in_flight``) and the returned gradients are filled in when it is
         finished; the fence and the end-of-backward callback make sure of that.
@@ -270,6 +271,11 @@ class Unit:
             n = rnd.size
             inputs: list[torch.Tensor] = [current[p.index] for p in pieces]  # type: ignore[misc]
             flat = pack_grads(inputs, pieces, n)
+            # Packed: drop the full gradients before the collective (freed here if the caller
+            # handed them over, as an isolated unit's backward does).
+            del inputs
+            for p in pieces:
+                current[p.index] = grads[p.index] = None
             if defer:
                 reduced, finish = C.raw_reduce_scatter_start(
                     flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta
@@ -344,10 +350,17 @@ class Call:
         self.nbytes: list[int] = []
         self.freed = False
         self.hooked = False  # a pre-backward hook will gather it again
+        self.dtypes: list[torch.dtype] = []  # of the shards (their gradients' dtypes)
+        self.devices: list[torch.device] = []  # of the shards (the host, for offloaded ones)
+        # The gradients of the shards, reduced before the gather's backward ran (by the
+        # call's own backward: see reduce), which then hands them on.
+        self.reduced: list[torch.Tensor | None] | None = None
 
     def gather(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         unit = self.unit
         unit.calls += 1
+        self.dtypes = [s.dtype for s in shards]
+        self.devices = [s.device for s in shards]
         prefetched = bool(unit.prefetched)
         self.full, params = unit.gather(shards)
         real = not unit.ctx.simulated
@@ -370,6 +383,20 @@ class Call:
                     t.untyped_storage().resize_(0)
         self.freed = True
         self.unit.note("free", phase, self.token)
+
+    def reduce(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The call's backward is done: free its gathered parameters, finish the reduction
+        left in flight, and reduce ``grads`` (plain, one per shard or ``None``; the list is
+        emptied as they are packed) to the shards' layouts, dtypes and devices."""
+        self.free("backward")
+        unit = self.unit
+        with torch.no_grad(), torch._C._DisableFuncTorch():
+            unit.in_flight.finish()  # the previous unit's reduce-scatter: one in flight
+            reduced = unit.reduce(grads, self.dtypes)
+            return [
+                g if g is None else g.to(device=device, dtype=dtype)
+                for g, dtype, device in zip(reduced, self.dtypes, self.devices)
+            ]
 
     def regather(self) -> None:
         """Gather again, in place, into the tensors autograd saved in forward."""
@@ -450,6 +477,10 @@ class CallState:
         self.position = {name: i for i, name in enumerate(layout.order)}
         self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
         self.checkpointing = 0  # inside how many checkpointed units (forward or recompute)
+        # (slots, gathered tensors) installed around the units that run inside them: the
+        # root's, and those of enclosing units while they run (the interpreter's business).
+        self.installed: list[tuple[Any, list[torch.Tensor]]] = []
+        self.isolate = True  # whether self-contained units may run isolated (the interpreter's)
 
     def differentiated_shards(self) -> list[torch.Tensor]:
         """The shards that require grad, in unit order (what the reduce fence covers)."""
