@@ -156,12 +156,19 @@ def _noticed(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def cannot_transform() -> dict[str, dict[str, Any]]:
     """Bloom and Mixtral + LoRA on every linear (experts too), ``engine="auto"``: peft LoRA on
-    2 ranks against peft + torch.optim.AdamW in one process on the global batch."""
+    2 ranks against peft + torch.optim.AdamW in one process on the global batch.
+
+    As one unit (``units=[]``), so that the code ``torch.func`` cannot transform runs under
+    it; ``"bloom_in_units"``: Bloom's default units (its decoder layers), where that code runs
+    inside units, with plain autograd (an isolated unit), and ``torch.func`` needs no fallback.
+    """
     mesh = ff.make_mesh({"dp": 2})
     mixtral = dataclasses.replace(ZOO["mixtral"], lora_targets="all-linear")
+    bloom = ZOO["bloom"]
     return {
-        "bloom": _noticed(lambda: train_vs_adamw(ZOO["bloom"].build(), ZOO["bloom"], mesh)),
-        "mixtral": _noticed(lambda: train_vs_adamw(mixtral.build(), mixtral, mesh)),
+        "bloom": _noticed(lambda: train_vs_adamw(bloom.build(), bloom, mesh, units=[])),
+        "mixtral": _noticed(lambda: train_vs_adamw(mixtral.build(), mixtral, mesh, units=[])),
+        "bloom_in_units": _noticed(lambda: train_vs_adamw(bloom.build(), bloom, mesh)),
     }
 
 

@@ -42,9 +42,12 @@ def fsdp_loss_grads(model: nn.Module, mesh: Any, idx: torch.Tensor, tgt: torch.T
     return ff.all_reduce(loss.detach(), mesh, f.data_axes, op="mean"), ff.gather(grads)
 
 
-def train_vs_adamw(model: nn.Module, arch: Arch, mesh: Any, lora: bool = True) -> dict[str, Any]:
+def train_vs_adamw(
+    model: nn.Module, arch: Arch, mesh: Any, lora: bool = True, units: Any = None
+) -> dict[str, Any]:
     """``STEPS`` steps of ff.train_step + ff.adamw against torch.optim.AdamW in one process, on
-    the same global batches: on LoRA adapters, or (``lora=False``) on every parameter."""
+    the same global batches: on LoRA adapters, or (``lora=False``) on every parameter.
+    ``units``: ``ff.fsdp``'s (``None``: its default)."""
     if lora:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
@@ -52,7 +55,7 @@ def train_vs_adamw(model: nn.Module, arch: Arch, mesh: Any, lora: bool = True) -
     else:
         peft_model = copy.deepcopy(model)
     ref = copy.deepcopy(peft_model)
-    f = ff.fsdp(peft_model, mesh)
+    f = ff.fsdp(peft_model, mesh, units=units)
     opt = ff.adamw(LR, **OPT)
 
     def loss_fn(p: Any, b: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,9 @@ def test_models_torch_func_cannot_differentiate_train_and_match_one_process(pool
         assert r["loss_diff"] < STEP_TOL, (name, r)
         assert r["param_diff"] < 1e-4, (name, r)  # as the zoo's LoRA tests
         assert r["moved"] > 1e-2, (name, r)
+        if name == "bloom_in_units":  # inside units, torch.func runs it: no fallback
+            assert r["notices"] == [], (name, r)
+            continue
         assert len(r["notices"]) == 1, (name, r)  # once per step function, not per step
         assert "engine='autograd'" in r["notices"][0], (name, r)
 
@@ -92,7 +95,9 @@ def test_engine_func_raises_where_auto_falls_back_once():
     model = ZOO["bloom"].build()
     batch = torch.randint(0, 64, (2, 9))
     with ff.simulated_mesh({"dp": 2}) as mesh:
-        f = ff.fsdp(model, mesh)
+        # One unit: Bloom's custom autograd.Function runs under torch.func (inside a unit,
+        # it would run with plain autograd: see test_models_torch_func_cannot_differentiate...).
+        f = ff.fsdp(model, mesh, units=[])
         opt = ff.sgd(0.1)
 
         def loss_fn(p, b):
