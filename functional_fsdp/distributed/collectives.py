@@ -249,6 +249,12 @@ def raw_reduce_scatter_start(
     return out, finish
 
 
+def receives_copy(mesh: DeviceMesh, axis: str) -> bool:
+    """Whether a reduce-scatter started over ``axis`` (:func:`raw_reduce_scatter_start`) holds
+    a receive buffer as large as its input until it is finished (gloo's all-to-all)."""
+    return axis_sizes(mesh)[axis] > 1 and _direct_reduce_scatter(mesh, axis)
+
+
 def _direct_reduce_scatter(mesh: DeviceMesh, axis: str) -> bool:
     """gloo lacks a reduce-scatter of its own (see :func:`raw_reduce_scatter_start`)."""
     return dist.get_backend(_group(mesh, axis)) == "gloo"

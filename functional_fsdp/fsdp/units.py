@@ -280,7 +280,8 @@ class Unit:
                 reduced, finish = C.raw_reduce_scatter_start(
                     flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta
                 )
-                self.in_flight.add(_finisher(finish, reduced, post))
+                soon = C.receives_copy(ctx.mesh, rnd.axis)
+                self.in_flight.add(_finisher(finish, reduced, post), soon=soon)
             else:
                 reduced = C.wait(
                     C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta)
@@ -307,9 +308,13 @@ class InFlight:
     def __init__(self) -> None:
         self.finishers: list[Callable[[], None]] = []
         self.callback_queued = False
+        self.soon = False  # one holds a receive buffer: finish at the next chance
 
-    def add(self, finisher: Callable[[], None]) -> None:
+    def add(self, finisher: Callable[[], None], *, soon: bool = False) -> None:
+        """``soon``: the reduction holds memory until it is finished beyond its input and
+        output (gloo's receive buffer, as large as the unit): :meth:`finish_soon` finishes it."""
         self.finishers.append(finisher)
+        self.soon = self.soon or soon
         if not self.callback_queued:
             # Whatever part of the graph a backward runs (autograd.grad over a subset of the
             # inputs, or a backward that never reaches the fence), nothing stays in flight
@@ -324,6 +329,14 @@ class InFlight:
     def finish(self) -> None:
         while self.finishers:
             self.finishers.pop(0)()
+        self.soon = False
+
+    def finish_soon(self) -> None:
+        """Finish now if a reduction in flight holds a receive buffer (gloo's all-to-all, as
+        large as the unit). Called before the next call's backward, so that buffer is not
+        kept through it; elsewhere (NCCL) the reduction overlaps that backward."""
+        if self.soon:
+            self.finish()
 
 
 def _indices(rnd: Round) -> list[int]:
@@ -524,6 +537,9 @@ class CallState:
         calls, depth = self.calls, self.ctx.policy.prefetch
 
         def hook() -> None:
+            # A reduce-scatter in flight that holds a receive buffer (gloo) is finished
+            # before this call's parameters and gradients join it.
+            self.in_flight.finish_soon()
             call.regather()
             for earlier in calls[max(0, position - depth) : position][::-1]:
                 if earlier.hooked:
