@@ -212,7 +212,7 @@ def plain_grads(
     used = [(o, _plain(g)) for o, g in zip(outs, grads) if g is not None and o is not None]
     if not used:
         return (None,) * len(leaves)
-    with torch._C._DisableFuncTorch():
+    with _below_transform():  # as the graph was recorded (its Functions see no transform)
         return torch.autograd.grad(
             [o for o, _ in used], leaves, [g for _, g in used], allow_unused=True
         )

@@ -243,10 +243,11 @@ class Unit:
         sizes = ctx.sizes
         factor = mean_divisor(sizes, ctx.data_axes, ctx.policy)  # the gradient rule's
         pre, post = divide_factors(factor, current[needed[0]].dtype)  # type: ignore[union-attr]
-        incoming = {id(g) for g in grads}
+        # The entries that still are the caller's tensors (divided out of place below).
+        theirs = {i: g for i, g in enumerate(current) if g is not None and g is grads[i]}
         if pre != 1:  # narrow dtypes: divide before the sum can overflow (new buffers)
             current = [g / pre if g is not None else g for g in current]
-            incoming = set()
+            theirs = {}
         rounds = [
             (r, rnd)
             for r, rnd in reversed(list(enumerate(layout.rounds)))
@@ -275,6 +276,7 @@ class Unit:
             # handed them over, as an isolated unit's backward does).
             del inputs
             for p in pieces:
+                theirs.pop(p.index, None)
                 current[p.index] = grads[p.index] = None
             if defer:
                 reduced, finish = C.raw_reduce_scatter_start(
@@ -293,9 +295,11 @@ class Unit:
         if ctx.sync:
             _all_reduce_replicated(current, layout.replicated, ctx)
         if post != 1:
-            mine = [g for g in current if g is not None and id(g) not in incoming]
-            torch._foreach_div_(mine, post)  # our own buffers: in place, one call
-            current = [g / post if g is not None and id(g) in incoming else g for g in current]
+            theirs = {i: g for i, g in theirs.items() if current[i] is g}
+            mine = [g for i, g in enumerate(current) if g is not None and i not in theirs]
+            if mine:
+                torch._foreach_div_(mine, post)  # our own buffers: in place, one call
+            current = [g / post if i in theirs else g for i, g in enumerate(current)]
         return current
 
 
