@@ -8,7 +8,8 @@ the rotation also holds ``ff.train_step`` with replicated parameters as DDP, ZeR
 (optimizer state sharded, gradients reduce-scattered, parameters all-gathered) and torch's
 ``DistributedDataParallel``. Prints, as a Markdown table ready for the README: the median step
 time and the ratios, the collectives and bytes each rank sends per step, and the peak memory
-a step adds on top of the resting process.
+a step adds on top of the resting process (the median of ``--memory-steps`` steps, and their
+range).
 
     torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py [--steps 30] [--layers 4] [--width 256]
     torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py --zero     # + DDP, ZeRO-1, ZeRO-2
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--zero", action="store_true", help="add DDP, ZeRO-1 and ZeRO-2")
+    parser.add_argument(
+        "--memory-steps", type=int, default=5, help="steps per system whose peak is measured"
+    )
     args = parser.parse_args()
 
     ff.init_distributed()
@@ -224,10 +228,18 @@ def main() -> None:
             with ff.count_comms() as counter:
                 fn(x, y)
             comms[name] = {k: [counter.count(k), counter.bytes(k)] for k in _KINDS}
-    peak = {name: _step_peak_mib(lambda f=fn: f(x, y)) for name, fn in systems.items()}
+    # One step's peak is noisy (a few MiB on a shared machine): each system's is taken on
+    # --memory-steps steps, in rotation as above, and the median is reported with the range.
+    peaks: dict[str, list[float]] = {name: [] for name in systems}
+    for step in range(args.memory_steps):
+        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        for name in order:
+            peaks[name].append(_step_peak_mib(lambda f=systems[name]: f(x, y)))
+    peak = {name: statistics.median(v) for name, v in peaks.items()}
+    spread = {name: (min(v), max(v)) for name, v in peaks.items()}
 
     if rank == 0:
-        _report(args, cfg, model, world, times, comms, peak)
+        _report(args, cfg, model, world, times, comms, peak, spread)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -240,6 +252,7 @@ def _report(
     times: dict[str, list[float]],
     comms: dict[str, dict[str, list[int]]],
     peak: dict[str, float],
+    spread: dict[str, tuple[float, float]],
 ) -> None:
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     names = list(times)
@@ -262,7 +275,11 @@ def _report(
                 f"{kind.replace('_', '-')}s: count, MiB sent",
                 lambda n, c=count: f"{c[n][0]}, {c[n][1] / 2**20:.2f}",  # type: ignore[misc]
             )
-    row("peak memory added by a step (MiB)", lambda n: f"{peak[n]:.1f}")
+    row(
+        f"peak memory added by a step (MiB, median of {args.memory_steps})",
+        lambda n: f"{peak[n]:.1f}",
+    )
+    row("its range over those steps (MiB)", lambda n: f"{spread[n][0]:.1f} – {spread[n][1]:.1f}")
     print(
         f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}, "
         f"{psi / 2**20:.1f} MiB of fp32 parameters (Ψ); {world} ranks (gloo, CPU, "
