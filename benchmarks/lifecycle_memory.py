@@ -282,6 +282,7 @@ def run_naive(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[
     held: dict[str, Any] = {}
 
     def create() -> None:
+        torch.manual_seed(0)  # the same full model on every rank, as shard() checks
         model = LlamaForCausalLM(config)
         params = ff.fsdp(model, mesh).shard()
         del model, params
