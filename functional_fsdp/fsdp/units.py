@@ -282,7 +282,8 @@ class Unit:
                 reduced, finish = C.raw_reduce_scatter_start(
                     flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta
                 )
-                soon = C.receives_copy(ctx.mesh, rnd.axis)
+                # Traced (ff.jit), the compiler plans the buffers and places the wait.
+                soon = C.receives_copy(ctx.mesh, rnd.axis) and not torch.compiler.is_compiling()
                 self.in_flight.add(_finisher(finish, reduced, post), soon=soon)
             else:
                 reduced = C.wait(
