@@ -9,7 +9,8 @@ the rotation also holds ``ff.train_step`` with replicated parameters as DDP, ZeR
 ``DistributedDataParallel``. Prints, as a Markdown table ready for the README: the median step
 time and the ratios, the collectives and bytes each rank sends per step, and the peak memory
 a step adds on top of the resting process (the median of ``--memory-steps`` steps, and their
-range).
+range), and the peak of tensor memory a step adds (``ff.tensor_peak``: exact, the figure a
+GPU's allocator reports; ``--where`` lists the tensors live at each system's peak).
 
     torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py [--steps 30] [--layers 4] [--width 256]
     torchrun --nproc-per-node 2 benchmarks/step_vs_fsdp2.py --zero     # + DDP, ZeRO-1, ZeRO-2
@@ -141,6 +142,9 @@ def main() -> None:
     parser.add_argument(
         "--memory-steps", type=int, default=5, help="steps per system whose peak is measured"
     )
+    parser.add_argument(
+        "--where", action="store_true", help="list the tensors live at each system's peak"
+    )
     args = parser.parse_args()
 
     ff.init_distributed()
@@ -178,6 +182,16 @@ def main() -> None:
         updates, state["opt"] = opt.update(grads, state["opt"], params)
         state["params"] = ff.apply_updates(params, updates)
 
+    # The same step as ff.train_step runs it, with the state donated (updated in place).
+    def loss_fn(p: Any, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(sharded_model.apply(p, b[0]), b[1])
+
+    donated_step = ff.train_step(loss_fn, opt, model=sharded_model, batch="local", donate=True)
+    donated = {"state": ff.TrainState.create(sharded_model.shard(), opt)}
+
+    def ours_donated_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        donated["state"], _ = donated_step(donated["state"], (x, y))
+
     # torch FSDP2 on a copy of the same model, one unit per block plus the root.
     ref = copy.deepcopy(model)
     for block in ref.blocks:
@@ -193,6 +207,7 @@ def main() -> None:
     systems = {
         "functional_fsdp (torch.func)": ours_step,
         "functional_fsdp (autograd)": ours_autograd_step,
+        "functional_fsdp (train_step, donated)": ours_donated_step,
         "torch FSDP2": fsdp2_step,
     }
     if args.zero:
@@ -237,9 +252,22 @@ def main() -> None:
             peaks[name].append(_step_peak_mib(lambda f=systems[name]: f(x, y)))
     peak = {name: statistics.median(v) for name, v in peaks.items()}
     spread = {name: (min(v), max(v)) for name, v in peaks.items()}
+    # The tensors alone (torch's profiler): the figure a GPU's allocator would show. A free
+    # made on gloo's thread goes unrecorded, which can only overstate a peak: the least of
+    # --memory-steps steps is reported.
+    found: dict[str, list[ff.TensorPeak]] = {name: [] for name in systems}
+    for step in range(args.memory_steps):
+        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        for name in order:
+            found[name].append(ff.tensor_peak(lambda f=systems[name]: f(x, y)))
+    tensors = {name: min(v, key=lambda p: p.added_bytes) for name, v in found.items()}
 
     if rank == 0:
-        _report(args, cfg, model, world, times, comms, peak, spread)
+        _report(args, cfg, model, world, times, comms, peak, spread, tensors)
+        if args.where:
+            for name, found in tensors.items():
+                print(f"\nLive at {name}'s peak ({found.added_mib:.2f} MiB added):")
+                print(found.describe(16), end="")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -253,6 +281,7 @@ def _report(
     comms: dict[str, dict[str, list[int]]],
     peak: dict[str, float],
     spread: dict[str, tuple[float, float]],
+    tensors: dict[str, ff.TensorPeak],
 ) -> None:
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     names = list(times)
@@ -280,6 +309,14 @@ def _report(
         lambda n: f"{peak[n]:.1f}",
     )
     row("its range over those steps (MiB)", lambda n: f"{spread[n][0]:.1f} – {spread[n][1]:.1f}")
+    row(
+        f"peak tensor memory added by a step (MiB, least of {args.memory_steps})",
+        lambda n: f"{tensors[n].added_mib:.2f}",
+    )
+    row(
+        "tensor peak / torch FSDP2",
+        lambda n: f"{tensors[n].added_bytes / tensors['torch FSDP2'].added_bytes:.3f}",
+    )
     print(
         f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}, "
         f"{psi / 2**20:.1f} MiB of fp32 parameters (Ψ); {world} ranks (gloo, CPU, "

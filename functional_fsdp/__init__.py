@@ -43,6 +43,8 @@ from .fsdp.memory import track_memory as track_memory
 from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
+from .fsdp.tensor_peak import TensorPeak as TensorPeak
+from .fsdp.tensor_peak import tensor_peak as tensor_peak
 from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
 from .launcher import ProcessPool as ProcessPool
 from .launcher import WorkerError as WorkerError
@@ -169,6 +171,7 @@ __all__ = [
     "Sharded",
     "Style",
     "TensorParallel",
+    "TensorPeak",
     "TraceError",
     "TraceState",
     "TrainState",
@@ -242,6 +245,7 @@ __all__ = [
     "shard",
     "simulated_mesh",
     "tensor_parallel",
+    "tensor_peak",
     "trace",
     "track_memory",
     "train_step",
