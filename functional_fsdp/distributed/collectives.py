@@ -162,10 +162,17 @@ def raw_all_gather_parts(
         check_collective("all_gather", mesh, axis, row, None, meta)
     record("all_gather", axis, n, _nbytes(row) * n, row.dtype, counters)
     what: What = ("all_gather", mesh, axis, row.shape, row.dtype)
+    ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
     with torch.no_grad():
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor_out(
-            row, n, _group_name(mesh, axis), out=out
-        )
+        if _is_gloo(mesh, axis):
+            # gloo's all-gather receives into a flat buffer of its own and copies it out, so
+            # an all-gather in flight holds its output twice. Each rank's row broadcast in
+            # place holds it once (the same bytes over the wire; one group runs them in turn).
+            for source in range(n):
+                ops.broadcast_(out.narrow(0, source * total, total), source, group)
+            gathered = out
+        else:
+            gathered = ops.all_gather_into_tensor_out(row, n, group, out=out)
     return _tag(_issued(gathered, what).view(n, total), what)
 
 
@@ -257,6 +264,10 @@ def receives_copy(mesh: DeviceMesh, axis: str) -> bool:
 
 def _direct_reduce_scatter(mesh: DeviceMesh, axis: str) -> bool:
     """gloo lacks a reduce-scatter of its own (see :func:`raw_reduce_scatter_start`)."""
+    return _is_gloo(mesh, axis)
+
+
+def _is_gloo(mesh: DeviceMesh, axis: str) -> bool:
     return dist.get_backend(_group(mesh, axis)) == "gloo"
 
 
