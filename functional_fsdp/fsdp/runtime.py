@@ -201,9 +201,13 @@ def run(
         out = cast_floating(out, policy.mixed_precision.output_dtype)
     if policy.reshard_after_forward and root is not None:
         root.free("forward")
-        # The root's backward starts first: prefetch the last calls from there.
-        hook = state.backward_hook(root, len(state.calls))
+        # The root's backward starts first, with the loss's backward temporaries (as large as
+        # the logits) alive: it prefetches nothing, as FSDP2's does not; the last call's own
+        # hook gathers it once the head's backward has freed them.
+        hook = state.backward_hook(root, len(state.calls), prefetch=False)
         out, root.hooked = attach(PreBackward, out, hook)
+    if state.isolate:
+        out = _fence_outputs(out)
     return out
 
 
@@ -257,12 +261,29 @@ def _unit_forward(
     if policy.reshard_after_forward:
         call.free("forward")
         out, call.hooked = attach(PreBackward, out, state.backward_hook(call, call.position))
+    if plain:
+        out = _fence_outputs(out)
     # Modules that run after this call read the parameters installed around it through new
     # fences: a fence's backward runs when autograd reaches its creation order, so one made
     # before this call would hold its gradient (and history) until this call's backward.
     for installed in state.installed:
         _set(*installed, fence=True)
     return out
+
+
+def _fence_outputs(out: Any) -> Any:
+    """An isolated unit's output, each differentiated tensor through a :class:`GradFence`.
+
+    The output's gradient comes from code that runs in the transform's graph (the caller's
+    loss, the root's head), whose history it holds: the fence hands it on as a plain tensor
+    before the unit's backward (its gathers included) starts, so that history (the logits'
+    gradient, say) is freed then, not when the unit's backward is done.
+    """
+    leaves, treedef = flatten(out)
+    if not any(_transformed(x) and x.requires_grad for x in leaves):
+        return out
+    fenced = [GradFence.apply(x) if _transformed(x) and x.requires_grad else x for x in leaves]
+    return torch_pytree.tree_unflatten(fenced, treedef)
 
 
 def _install(state: CallState, where: list[list[Slot]], tensors: list[torch.Tensor]) -> None:

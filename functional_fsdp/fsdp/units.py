@@ -537,9 +537,12 @@ class CallState:
                 unit.prefetch("forward")
         self.prefetched_upto = max(self.prefetched_upto, position + depth)
 
-    def backward_hook(self, call: Call, position: int) -> Callable[[], None]:
-        """Before ``call``'s backward: gather it again, and prefetch the calls before it."""
-        calls, depth = self.calls, self.ctx.policy.prefetch
+    def backward_hook(
+        self, call: Call, position: int, *, prefetch: bool = True
+    ) -> Callable[[], None]:
+        """Before ``call``'s backward: gather it again, and prefetch the calls before it
+        (unless ``prefetch`` is false)."""
+        calls, depth = self.calls, self.ctx.policy.prefetch if prefetch else 0
 
         def hook() -> None:
             # A reduce-scatter in flight that holds a receive buffer (gloo) is finished
