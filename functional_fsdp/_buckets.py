@@ -128,7 +128,8 @@ def issue_gather(
     meta: Any = None,
 ) -> torch.Tensor:
     """Issue ``rnd``'s all-gather of ``inputs`` (its pieces' blocks, in order); no wait."""
-    if len(inputs) == 1:
+    # A real host tensor goes through the parts' path even alone: on gloo, it gathers in place.
+    if len(inputs) == 1 and not C.releasable(inputs[0]):
         return C.raw_all_gather(inputs[0].reshape(-1), mesh, rnd.axis, counters=counters, meta=meta)
     return C.raw_all_gather_parts(inputs, mesh, rnd.axis, counters=counters, meta=meta)
 

@@ -211,6 +211,7 @@ class Unit:
                     for p in rnd.pieces
                 ]
                 unpack_gathered(gathered, rnd, outs)
+                C.release(gathered)  # copied out: freed here, not by gloo's worker
             for p, out in zip(rnd.pieces, outs):
                 full[p.index] = out
                 padded = out.shape[p.dim] != p.gathered_len
@@ -272,6 +273,8 @@ class Unit:
             n = rnd.size
             inputs: list[torch.Tensor] = [current[p.index] for p in pieces]  # type: ignore[misc]
             flat = pack_grads(inputs, pieces, n)
+            # A new buffer (not a view of a gradient): released once the collective is done.
+            mine = [flat] if C.releasable(flat) and not _shares_storage(flat, inputs) else []
             # Packed: drop the full gradients before the collective (freed here if the caller
             # handed them over, as an isolated unit's backward does).
             del inputs
@@ -284,11 +287,12 @@ class Unit:
                 )
                 # Traced (ff.jit), the compiler plans the buffers and places the wait.
                 soon = C.receives_copy(ctx.mesh, rnd.axis) and not torch.compiler.is_compiling()
-                self.in_flight.add(_finisher(finish, reduced, post), soon=soon)
+                self.in_flight.add(_finisher(finish, reduced, post, mine), soon=soon)
             else:
                 reduced = C.wait(
                     C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta)
                 )
+                C.release(*mine)
             for p, block in zip(pieces, unpack_reduced(reduced, pieces)):
                 current[p.index] = block
         if defer:
@@ -348,10 +352,19 @@ def _indices(rnd: Round) -> list[int]:
     return [p.index for p in rnd.pieces]
 
 
-def _finisher(finish: Callable[[], None], out: torch.Tensor, post: float) -> Callable[[], None]:
+def _shares_storage(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    """Whether ``t`` may share memory with one of ``others`` (yes, if one is not plain)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(not C.releasable(o) or o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _finisher(
+    finish: Callable[[], None], out: torch.Tensor, post: float, packed: list[torch.Tensor]
+) -> Callable[[], None]:
     def done() -> None:
         with torch.no_grad(), torch._C._DisableFuncTorch():
             finish()
+            C.release(*packed)  # the packed gradients: freed here, not by gloo's worker
             if post != 1:
                 out.div_(post)
 
