@@ -13,7 +13,9 @@ machine noise hits them alike):
   rank's share of the batch, no communication, as a floor.
 
 Prints a Markdown table: median step time and ratios, compile time (the first call's extra
-time), and the peak memory one step adds. Run it twice: the second run reuses inductor's
+time), the peak memory one step adds (resident) and the peak of tensor memory it adds
+(``ff.tensor_peak``; ``--where`` lists the tensors live at each system's peak, by the
+operator or compiled region that allocated them). Run it twice: the second run reuses inductor's
 caches (``TORCHINDUCTOR_CACHE_DIR``, by default under ``/tmp``), so its compile times are
 those of a warm cache.
 
@@ -87,6 +89,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument(
+        "--where", action="store_true", help="list the tensors live at each system's peak"
+    )
     args = parser.parse_args()
 
     device = ff.init_distributed()  # cuda:LOCAL_RANK with NCCL where there is a GPU
@@ -159,8 +164,18 @@ def main() -> None:
     compiled = jitted.lower(held["jit"], batch())
     b = batch()
     peak = {name: _peak_mib(lambda f=fn: f(b), device) for name, fn in systems.items()}
+    # The tensors alone (ff.tensor_peak): the least of three steps, each system in turn.
+    found: dict[str, list[ff.TensorPeak]] = {name: [] for name in systems}
+    for _ in range(3):
+        for name, fn in systems.items():
+            found[name].append(ff.tensor_peak(lambda f=fn: f(b), device.type))
+    tensors = {name: min(v, key=lambda p: p.added_bytes) for name, v in found.items()}
     if rank == 0:
-        _report(args, cfg, model, world, times, first, peak, compiled)
+        _report(args, cfg, model, world, times, first, peak, compiled, tensors)
+        if args.where:
+            for name, at in tensors.items():
+                print(f"\nLive at {name}'s peak ({at.added_mib:.2f} MiB added):")
+                print(at.describe(12), end="")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -174,6 +189,7 @@ def _report(
     first: dict[str, float],
     peak: dict[str, float],
     compiled: Any,
+    tensors: dict[str, ff.TensorPeak],
 ) -> None:
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     names = list(times)
@@ -190,6 +206,11 @@ def _report(
     row("step time / local eager", lambda n: f"{med[n] / med['local eager']:.3f}")
     row("first call, minus a step (s)", lambda n: f"{first[n] - med[n] / 1e3:.1f}")
     row("peak memory added by a step (MiB)", lambda n: f"{peak[n]:.1f}")
+    row("peak tensor memory added by a step (MiB)", lambda n: f"{tensors[n].added_mib:.2f}")
+    row(
+        "tensor peak / FSDP2 eager",
+        lambda n: f"{tensors[n].added_bytes / tensors['FSDP2 eager'].added_bytes:.3f}",
+    )
     print(
         f"GPT: {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}, "
         f"{psi / 2**20:.1f} MiB of fp32 parameters; {world} ranks ({dist.get_backend()}, "

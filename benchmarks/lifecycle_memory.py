@@ -72,12 +72,13 @@ import torch.distributed as dist
 import functional_fsdp as ff
 
 MiB = 2**20
-PHASES = ("create", "load", "train", "train2", "export")
+PHASES = ("create", "load", "train", "train2", "train3", "export")
 LABELS = {
     "create": "create",
     "load": "load",
     "train": "train: 1st step",
     "train2": "train: 2nd step",
+    "train3": "train: 3rd step, resident under the profiler",
     "export": "export",
 }
 SYSTEMS = ("ff", "fsdp2", "naive")
@@ -204,13 +205,25 @@ def run_ff(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[[],
         held["state"], _ = held["step"](state, _batch(config))
 
     def train2() -> None:
-        state, _ = held.pop("step")(held.pop("state"), _batch(config))
-        held["params"] = state.params  # the optimizer state is dropped with the state
+        held["state"], _ = held["step"](held.pop("state"), _batch(config))
+
+    def train3() -> ff.TensorPeak:
+        step, batch = held.pop("step"), _batch(config)
+        found = ff.tensor_peak(lambda: held.update(state=step(held.pop("state"), batch)[0]))
+        held["params"] = held.pop("state").params  # the optimizer state is dropped with it
+        return found
 
     def export() -> None:
         ff.checkpoint.export_safetensors(sm, held.pop("params"), out)
 
-    return {"create": create, "load": load, "train": train, "train2": train2, "export": export}
+    return {
+        "create": create,
+        "load": load,
+        "train": train,
+        "train2": train2,
+        "train3": train3,
+        "export": export,
+    }
 
 
 def _fsdp2_model(config: Any, mesh: Any) -> torch.nn.Module:
@@ -255,13 +268,17 @@ def run_fsdp2(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def train2() -> None:
-        model, opt = held["model"], held.pop("opt")
+    def step() -> None:
+        model, opt = held["model"], held["opt"]
         ids = _batch(config)[dist.get_rank() :: dist.get_world_size()]
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        del opt
+
+    def train3() -> ff.TensorPeak:
+        found = ff.tensor_peak(step)
+        del held["opt"]
+        return found
 
     def export() -> None:
         model = held.pop("model")
@@ -272,7 +289,14 @@ def run_fsdp2(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[
             save_file(state_dict, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
         del state_dict, model
 
-    return {"create": create, "load": load, "train": train, "train2": train2, "export": export}
+    return {
+        "create": create,
+        "load": load,
+        "train": train,
+        "train2": step,
+        "train3": train3,
+        "export": export,
+    }
 
 
 def run_naive(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[[], Any]]:
@@ -334,7 +358,9 @@ def _one_system(system: str, config: Any, tiny: Any, root: str, mesh: Any) -> di
     results: dict[str, Any] = {"base": base / MiB}
     for phase in PHASES:
         if phase in phases:
-            _, results[phase] = _measure(phases[phase], base)
+            out, results[phase] = _measure(phases[phase], base)
+            if isinstance(out, ff.TensorPeak):
+                results["tensors"] = out.added_bytes / MiB
     del phases
     results["after"] = (_settle() - base) / MiB
     return results
@@ -410,6 +436,13 @@ def _print(results: dict[str, list[dict]], sizes: dict[str, float], n: int, conf
                 cells.append(f"not run (4Ψ = {4 * psi:.0f}, computed)")
         goal = train_target if phase.startswith("train") else target
         print(f"| {LABELS[phase]} | " + " | ".join(cells) + f" | {goal:.0f} |")
+    tensors = {s: [r["tensors"] for r in results[s] if "tensors" in r] for s in systems}
+    if any(tensors.values()):
+        print(
+            "| train: 3rd step, peak tensor memory it adds (ff.tensor_peak) | "
+            + " | ".join(f"{max(tensors[s]):.0f}" if tensors[s] else "not run" for s in systems)
+            + " | |"
+        )
     print("\nbaseline RSS per rank (MiB, max) and what stayed resident after the last phase:")
     for s in systems:
         base = max(r["base"] for r in results[s])
