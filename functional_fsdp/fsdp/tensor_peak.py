@@ -70,10 +70,11 @@ def tensor_peak(call: Callable[[], object], device: str = "cpu") -> TensorPeak:
         ...     a = torch.ones(1024, 256)  # 1 MiB
         ...     b = a * 2                  # 1 MiB more
         ...     del a                      # 1 MiB less
-        ...     return (b + 1).sum()       # 1 MiB more: the peak, 2 MiB
+        ...     c = torch.cat([b, b])      # 2 MiB more: the peak, 3 MiB
+        ...     return c.sum()
         >>> found = ff.tensor_peak(step)
-        >>> round(found.added_mib, 3), found.live_at_peak[0][2]
-        (2.0, 'aten::mul')
+        >>> round(found.added_mib, 3), found.live_at_peak[:2]
+        (3.0, [(2097152, 1, 'aten::cat'), (1048576, 1, 'aten::mul')])
     """
     with _quiet_stderr(), profile(activities=_activities(device), profile_memory=True) as prof:
         call()
