@@ -288,7 +288,8 @@ def test_donation_is_an_update_argument_bitwise_as_out_of_place(
     make: Callable[[], fo.GradientTransformation],
 ) -> None:
     """``update(..., donate=True)`` writes the updates and the state in place (their tensors
-    are reused) and gives the numbers of the pure update; without it nothing is written."""
+    are reused: a donated step allocates no optimizer-sized buffer) and gives the numbers of
+    the pure update; without it nothing is written."""
     opt = make()
     assert isinstance(opt, fo.GradientTransformationExtraArgs)
     params = _model_params()
@@ -302,6 +303,7 @@ def test_donation_is_an_update_argument_bitwise_as_out_of_place(
         assert all(torch.equal(a, b) for a, b in zip(_tensors(want), _tensors(got)))
         assert all(torch.equal(a, b) for a, b in zip(_tensors(pure), _tensors(donated)))
         assert {t.data_ptr() for t in _tensors(donated)} <= ptrs  # written in place
+        assert {t.data_ptr() for t in _tensors(got)} <= ptrs  # the updates too: no new buffers
 
 
 def test_grad_norm_goes_to_the_first_member_of_a_chain_only() -> None:
