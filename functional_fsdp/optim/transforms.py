@@ -605,10 +605,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             torch._foreach_sqrt_(g)
             torch._foreach_div_(g, bc2**0.5)
             torch._foreach_add_(g, eps)
-            for m, d in zip(mu, g):  # the update, written over its denominator: no new buffers
-                torch.div(m, d, out=d)
-            torch._foreach_div_(g, bc1)
-            return optree.tree_unflatten(treedef, g), state._replace(count=count)
+            if torch.compiler.is_compiling():  # the compiler plans the buffers (one kernel)
+                out = torch._foreach_div(mu, g)
+            else:  # the update, written over its denominator: no new buffers
+                out = g
+                for m, d in zip(mu, g):
+                    torch.div(m, d, out=d)
+            torch._foreach_div_(out, bc1)
+            return optree.tree_unflatten(treedef, out), state._replace(count=count)
         new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
         new_nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1.0 - b2)
         denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(new_nu), bc2**0.5), eps)
