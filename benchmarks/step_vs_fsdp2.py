@@ -69,6 +69,12 @@ class _CountC10d(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _rotation(names: list[str], step: int) -> list[str]:
+    """``names`` rotated by ``step``: over ``len(names)`` steps each takes every position."""
+    k = step % len(names)
+    return names[k:] + names[:k]
+
+
 def _rss_mib(key: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -221,7 +227,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in systems}
     for step in range(args.steps + 2):
         x, y = batch()
-        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        order = _rotation(list(systems), step)
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()
@@ -247,7 +253,7 @@ def main() -> None:
     # --memory-steps steps, in rotation as above, and the median is reported with the range.
     peaks: dict[str, list[float]] = {name: [] for name in systems}
     for step in range(args.memory_steps):
-        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        order = _rotation(list(systems), step)
         for name in order:
             peaks[name].append(_step_peak_mib(lambda f=systems[name]: f(x, y)))
     peak = {name: statistics.median(v) for name, v in peaks.items()}
@@ -257,7 +263,7 @@ def main() -> None:
     # --memory-steps steps is reported.
     found: dict[str, list[ff.TensorPeak]] = {name: [] for name in systems}
     for step in range(args.memory_steps):
-        order = list(systems)[step % len(systems) :] + list(systems)[: step % len(systems)]
+        order = _rotation(list(systems), step)
         for name in order:
             found[name].append(ff.tensor_peak(lambda f=systems[name]: f(x, y)))
     tensors = {name: min(v, key=lambda p: p.added_bytes) for name, v in found.items()}

@@ -315,15 +315,28 @@ def _isolated(
 
     def fn(*flat: Any) -> Any:
         ps, a, kw = torch_pytree.tree_unflatten(list(flat), treedef)
-        _set(where, ps)
-        try:
-            return inner(*a, **kw)
-        finally:
-            _restore(where, up, placeholders)
+        return _run_with(where, ps, up, placeholders, inner, a, kw)
 
     diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     job = Isolated(fn, diff, call, len(params))
     return job.output(Isolate.apply(job, *leaves))
+
+
+def _run_with(
+    where: list[list[Slot]],
+    params: list[torch.Tensor],
+    up: UnitLayout,
+    placeholders: dict[str, torch.Tensor],
+    inner: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """``inner(*args, **kwargs)`` with ``params`` installed in their slots, placeholders after."""
+    _set(where, params)
+    try:
+        return inner(*args, **kwargs)
+    finally:
+        _restore(where, up, placeholders)
 
 
 def _restore(
@@ -351,13 +364,11 @@ def _checkpointed(
     leaves, treedef = flatten((list(params), args, kwargs))
 
     def run(ps: list[torch.Tensor], a: Any, kw: Any) -> Any:
-        _set(where, ps)
         state.checkpointing += 1  # its forward, or its recompute in backward
         try:
-            return inner(*a, **kw)
+            return _run_with(where, ps, up, placeholders, inner, a, kw)
         finally:
             state.checkpointing -= 1
-            _restore(where, up, placeholders)
 
     def fn(*flat: Any) -> Any:  # the recompute: rebuilt from the leaves
         return run(*torch_pytree.tree_unflatten(list(flat), treedef))
