@@ -240,3 +240,62 @@ def test_a_script_without_a_main_guard_works(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("results: [42]") == 1, out.stdout
     assert "[rank 0] computing" in out.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_destroy_process_group_leaves_no_collective_threads_for_interpreter_exit(tmp_path):
+    # A process group still alive when Python finalizes keeps gloo's worker thread running
+    # while the interpreter is torn down, and a thread that touches Python then aborts the
+    # process at exit ("terminate called without an active exception"). After the usual
+    # teardown, and once the script drops its mesh, the groups must be gone with their threads.
+    script = tmp_path / "teardown.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import gc
+            import os
+
+            import torch
+            import torch.distributed as dist
+
+            import functional_fsdp as ff
+
+
+            def threads():
+                names = []
+                for t in os.listdir("/proc/self/task"):
+                    with open(f"/proc/self/task/{t}/comm") as f:
+                        names.append(f.read().strip())
+                return sorted(names)
+
+
+            def main():
+                ff.init_distributed(device_type="cpu")
+                mesh = ff.make_mesh({"dp": 2}, device_type="cpu")
+                x = ff.shard({"w": torch.arange(8.0)}, mesh, ff.P("dp"))
+                assert torch.equal(ff.gather(x)["w"], torch.arange(8.0))
+                dist.barrier()
+                dist.destroy_process_group()
+
+
+            before = threads()
+            main()
+            gc.collect()
+            print("threads before:", before)
+            print("threads after:", threads())
+            """
+        )
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stdout + out.stderr
+    before = re.findall(r"threads before: (.*)", out.stdout)
+    after = re.findall(r"threads after: (.*)", out.stdout)
+    assert len(before) == len(after) == 2, out.stdout
+    assert after == before, out.stdout

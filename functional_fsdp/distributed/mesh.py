@@ -218,6 +218,7 @@ def init_distributed(
     chosen = _timeout(timeout)
     _check_backend(backend)
     gloo.use_one_thread()  # before any group exists: see functional_fsdp/distributed/gloo.py
+    _import_world_defaults()
     if checks._env_check():  # the debug switch, read again once the run starts
         checks._CHECK = True
     single = "RANK" not in os.environ
@@ -243,6 +244,20 @@ def init_distributed(
     restarts.init_process_group(backend, chosen)  # a torchrun restart as well as the start
     _use_timeout(chosen)
     return device
+
+
+def _import_world_defaults() -> None:
+    """Import ``torch.distributed.nn`` while no world group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, and torch imports it
+    lazily on the first functional collective (through ``torch._dynamo``). Imported after the
+    world group exists, those defaults hold the group forever: ``destroy_process_group`` then
+    cannot free it, and gloo's threads stay alive into interpreter exit, where a thread that
+    touches Python aborts the process ("terminate called without an active exception").
+    Imported first, the defaults are ``None`` and the group dies with its last user.
+    """
+    if not dist.is_initialized():
+        import torch.distributed.nn  # noqa: F401
 
 
 def _check_backend(backend: Any) -> None:
