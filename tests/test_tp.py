@@ -418,8 +418,9 @@ def test_gloo_2d_matches_reference_and_torch_fsdp2_tp(pools):
     torch_runs = pools.run(4, W.gloo_vs_torch)
     for r in torch_runs:
         assert r["loss_diff"] < 1e-5 and r["grad_err"] < 1e-5, r
-        # Why ff.clip_by_global_norm exists: torch's own clipping fails on FSDP2+TP (2.13).
-        assert "must have the same mesh" in (r["torch_clip_error"] or ""), r
+        # ff.global_norm (what ff.clip_by_global_norm scales by) over the 2D shards is the
+        # norm of FSDP2+TP's full gradients.
+        assert r["norm_err"] < 1e-6, r
     # README.md quotes the largest differences (pytest -s).
     for what, runs in (("one process", reference), ("FSDP2 + parallelize_module", torch_runs)):
         loss = max(r["loss_diff"] for r in runs)
