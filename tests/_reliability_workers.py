@@ -71,7 +71,7 @@ def _crash_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ff.init_distributed(device_type="cpu", timeout=datetime.timedelta(seconds=60))
     fn(*args)
     dist.barrier()
     dist.destroy_process_group()
