@@ -202,6 +202,9 @@ def compare(
     }
     if code:
         out["overlap"] = _overlap(codes)
+        out["gathers"] = sorted(
+            {str(n.target) for n in compiled.graph.graph.nodes if "gather" in str(n.target)}
+        )
     if donate:
         before = fresh()
         ptrs = [t.data_ptr() for t in ff.tree_leaves(before.params)]
@@ -227,23 +230,36 @@ def many_steps(name: str, backend: str, steps: int) -> dict[str, Any]:
 
 
 def _overlap(codes: list[str]) -> dict[str, Any]:
-    """For every collective in inductor's generated code, the compute kernels issued between
-    it and its wait."""
+    """For every collective in inductor's generated code, in the order issued: its kind and
+    the compute kernels issued between it and its wait."""
     import re
 
-    start = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.\w+\.default\(")
-    in_place = re.compile(r"^torch\.ops\._c10d_functional\.all_reduce_\.default\((?:\w+\()?(\w+)")
+    start = re.compile(
+        r"(\w+) = torch\.ops\.(?:_c10d_functional|functional_fsdp)\.(\w+)\.default\("
+    )
+    in_place = re.compile(r"^torch\.ops\._c10d_functional\.(all_reduce)_\.default\((?:\w+\()?(\w+)")
     wait = re.compile(r"wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
     compute = re.compile(r"^(cpp_fused|extern_kernels\.)")
-    pending: dict[str, int] = {}
-    gaps, kernels = [], 0
+    alias = re.compile(r"^(\w+) = (\w+)$")
+    kinds = {"all_gather_into_tensor": "all_gather", "gloo_all_gather": "all_gather"}
+    kinds |= {"all_to_all_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+    pending: dict[str, tuple[int, int]] = {}
+    found: list[tuple[str, int] | None] = []
+    kernels = 0
     for line in (x.strip() for code in codes for x in code.splitlines()):
         if line.startswith("#"):
             continue
-        if (m := wait.search(line)) and m.group(1) in pending:
-            gaps.append(kernels - pending.pop(m.group(1)))
-        elif (m := start.match(line) or in_place.match(line)) and "wait_tensor" not in line:
-            pending[m.group(1)] = kernels
+        if (m := alias.match(line)) and m.group(2) in pending:  # an op's result, renamed
+            pending[m.group(1)] = pending.pop(m.group(2))
+        elif (m := wait.search(line)) and m.group(1) in pending:
+            i, issued = pending.pop(m.group(1))
+            found[i] = (found[i][0], kernels - issued)  # type: ignore[index]
+        elif (m := start.match(line)) and "wait_tensor" not in line:
+            pending[m.group(1)] = (len(found), kernels)
+            found.append((kinds.get(m.group(2), m.group(2)), -1))
+        elif m := in_place.match(line):
+            pending[m.group(2)] = (len(found), kernels)
+            found.append((m.group(1), -1))
         elif compute.match(line):
             kernels += 1
-    return {"gaps": gaps, "kernels": kernels}
+    return {"gaps": found, "kernels": kernels}

@@ -60,9 +60,10 @@ def _llama() -> tuple[nn.Module, list[nn.Module], Any]:
     return model, list(model.model.layers), lambda m, x: m(input_ids=x).logits
 
 
-def step_peaks(model_name: str, repeats: int = 3) -> dict[str, float]:
+def step_peaks(model_name: str, repeats: int = 3, compiled: bool = False) -> dict[str, float]:
     """The least tensor peak of ``repeats`` SGD steps of this library under ``torch.func``
-    (plain and ``train_step(donate=True)``) and of torch FSDP2, on one model and batch."""
+    (plain and ``train_step(donate=True)``; with ``compiled``, that step under ``ff.jit``
+    instead) and of torch FSDP2, on one model and batch."""
     model, blocks, forward = {"gpt": _gpt, "llama": _llama}[model_name]()
     mesh = ff.make_mesh({"dp": dist.get_world_size()})
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -90,6 +91,11 @@ def step_peaks(model_name: str, repeats: int = 3) -> dict[str, float]:
     def ours_donated() -> None:
         donated["state"], _ = step(donated["state"], (x, y))
 
+    jitted = ff.jit(step)
+
+    def ours_compiled() -> None:
+        donated["state"], _ = jitted(donated["state"], (x, y))
+
     ref = copy.deepcopy(model)
     for block in _same_blocks(ref, model, blocks):
         fully_shard(block, mesh=mesh)
@@ -102,6 +108,8 @@ def step_peaks(model_name: str, repeats: int = 3) -> dict[str, float]:
         torch_opt.zero_grad(set_to_none=True)
 
     systems = {"ours": ours, "ours_donated": ours_donated, "fsdp2": fsdp2}
+    if compiled:
+        systems = {"ours_compiled": ours_compiled, "fsdp2": fsdp2}
     for fn in systems.values():  # warm-up: first calls build caches and groups
         fn()
     peaks = {name: [] for name in systems}

@@ -10,6 +10,7 @@ compiles it (fused kernels: rounding differs from eager, so the comparison is re
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import pytest
@@ -74,10 +75,22 @@ def test_compiled_step_follows_eager(pools, name):
     _check(r, 1e-5 if name == "fsdp_tp" else 1e-6)
     if zero3:  # donation: the new parameters live in the old buffers
         assert r["in_place"] and r["old_state_dead"], r
-        # Inductor's code issues each collective ahead of its wait, with compute between
-        # (eager prefetches a unit ahead; a compiled step must not wait at once).
+        # Inductor's code overlaps the collectives as the eager step does: every unit's
+        # gather but the first of the forward and of the backward is issued while another
+        # unit computes (a unit ahead), and every reduce-scatter but the last while the
+        # next unit's backward runs. The clipping norm's all-reduces have nothing to overlap.
         gaps = r["overlap"]["gaps"]
-        assert len(gaps) == r["n_comms"] and sum(g > 0 for g in gaps) >= len(gaps) - 2, r
+        # On gloo each gather broadcasts every rank's row in place (one op): gloo's own
+        # all-gather would hold its output twice while in flight.
+        assert r["gathers"] == ["functional_fsdp.gloo_all_gather.default"], r["gathers"]
+        assert len(gaps) == r["n_comms"], gaps
+        by_kind = {
+            k: [g for kind, g in gaps if kind == k] for k in ("all_gather", "reduce_scatter")
+        }
+        assert sum(g > 0 for g in by_kind["all_gather"]) >= len(by_kind["all_gather"]) - 2, gaps
+        assert (
+            sum(g > 0 for g in by_kind["reduce_scatter"]) >= len(by_kind["reduce_scatter"]) - 1
+        ), gaps
 
 
 def test_a_hundred_steps_compile_once(pools):
@@ -164,9 +177,9 @@ def test_bad_arguments():
         ff.jit(3)
 
 
-def test_waits_move_to_the_first_use():
-    """A collective's wait sits right after it in a trace; the pass moves it to its first
-    use, so the work in between overlaps the communication."""
+def _gather_then_wait() -> tuple[torch.fx.Graph, torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """A graph with a traced all-gather of ``x`` and its wait right after it, as a trace
+    gives them, and a second input ``y``: ``(graph, y, gathered, waited)``."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     y = graph.placeholder("y")
@@ -174,14 +187,64 @@ def test_waits_move_to_the_first_use():
         torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0")
     )
     waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
-    other = graph.call_function(torch.ops.aten.mul.Tensor, (y, y))
-    used = graph.call_function(torch.ops.aten.add.Tensor, (waited, waited))
-    graph.output((other, used))
+    return graph, y, gathered, waited
+
+
+def _sunk(graph: torch.fx.Graph, *outputs: torch.fx.Node) -> list[str]:
+    """The order of ``graph``'s operations once :func:`sink_waits` has moved its one wait."""
+    graph.output(outputs)
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     assert sink_waits(module) == 1
-    order = [n.target for n in module.graph.nodes if n.op == "call_function"]
-    assert (
-        order.index(torch.ops._c10d_functional.wait_tensor.default)
-        == order.index(torch.ops.aten.add.Tensor) - 1
+    return [n.name for n in module.graph.nodes if n.op == "call_function"]
+
+
+def test_waits_move_to_the_first_use():
+    """A collective's wait sits right after it in a trace; the pass moves it to its first
+    use, so the work in between overlaps the communication."""
+    graph, y, gathered, waited = _gather_then_wait()
+    other = graph.call_function(torch.ops.aten.mul.Tensor, (y, y))
+    used = graph.call_function(torch.ops.aten.add.Tensor, (waited, waited))
+    assert _sunk(graph, other, used) == [gathered.name, other.name, waited.name, used.name]
+
+
+def test_views_of_a_result_move_down_with_its_wait():
+    """A reshape into rows reads nothing: the wait moves past it (with it) to the first op
+    that reads the gathered data."""
+    graph, y, gathered, waited = _gather_then_wait()
+    rows = graph.call_function(torch.ops.aten.view.default, (waited, [2, -1]))
+    parts = graph.call_function(torch.ops.aten.split_with_sizes.default, (rows, [1, 1], 1))
+    first = graph.call_function(operator.getitem, (parts, 0))
+    other = graph.call_function(torch.ops.aten.mul.Tensor, (y, y))
+    used = graph.call_function(torch.ops.aten.add.Tensor, (first, first))
+    moved = [waited.name, rows.name, parts.name, first.name]
+    assert _sunk(graph, other, used) == [gathered.name, other.name, *moved, used.name]
+
+
+def test_a_folded_matmul_runs_where_its_inputs_are_ready():
+    """Inductor folds ``mm(a, b) + c`` into ``addmm(c, a, b)`` where ``c`` is ready (a tied
+    head's gradient plus the embedding's, at the end of the backward). The pass runs the
+    matmul as soon as ``a`` and ``b`` are, when its result is smaller than they are, so they
+    can be freed; the numbers are the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from functional_fsdp._inductor_passes import EarlyMatmuls
+
+    def f(a, b, x):
+        late = x.sin().cos()  # ready after a and b
+        return torch.addmm(late, a, b), torch.addmm(a[:, :4], a, b[:, :4])
+
+    a, b, x = torch.randn(4, 64), torch.randn(64, 8), torch.randn(4, 8)
+    module = make_fx(f)(a, b, x)
+    expected = module(a, b, x)
+    EarlyMatmuls()(module.graph)
+    module.recompile()
+    targets = [n.target for n in module.graph.nodes if n.op == "call_function"]
+    assert targets.index(torch.ops.aten.mm.default) < targets.index(torch.ops.aten.sin.default)
+    assert targets.count(torch.ops.aten.addmm.default) == 1  # ``c`` ready first: kept folded
+    for got, want in zip(module(a, b, x), expected):
+        torch.testing.assert_close(got, want)
+    small = make_fx(lambda a, b, x: torch.addmm(x.sin(), a, b))(
+        torch.randn(64, 2), torch.randn(2, 64), torch.randn(64, 64)
     )
-    assert order.index(torch.ops.aten.mul.Tensor) == 1
+    EarlyMatmuls()(small.graph)  # a result larger than its inputs: better freed late
+    assert torch.ops.aten.mm.default not in [n.target for n in small.graph.nodes]

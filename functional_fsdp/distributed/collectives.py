@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import checks
@@ -151,9 +152,21 @@ def raw_all_gather_parts(
     (:func:`raw_all_gather`). ``meta`` as for :func:`raw_all_gather`.
     """
     n = axis_sizes(mesh)[axis]
-    if n == 1 or is_simulated() or torch.compiler.is_compiling():
+    traced = torch.compiler.is_compiling()
+    if n == 1 or is_simulated() or (traced and not _is_gloo(mesh, axis)):
         flat = torch.cat([p.reshape(-1) for p in parts])
         return raw_all_gather(flat, mesh, axis, counters=counters, meta=meta)
+    if traced:  # on gloo: the same in-place broadcasts, as one opaque op of the graph
+        total = sum(p.numel() for p in parts)
+        if checks._CHECK:
+            check_collective("all_gather", mesh, axis, parts[0].new_empty(total), None, meta)
+        record("all_gather", axis, n, total * parts[0].element_size() * n, parts[0].dtype, counters)
+        what = ("all_gather", mesh, axis, torch.Size([total]), parts[0].dtype)
+        with torch.no_grad():
+            out = torch.ops.functional_fsdp.gloo_all_gather(
+                [p.reshape(-1) for p in parts], n, _group_name(mesh, axis)
+            )
+        return _tag(_issued(out, what).view(n, total), what)
     total = sum(p.numel() for p in parts)
     out = parts[0].new_empty(n * total)
     row = out.narrow(0, local_coordinate(mesh)[axis] * total, total)
@@ -174,6 +187,35 @@ def raw_all_gather_parts(
         else:
             gathered = ops.all_gather_into_tensor_out(row, n, group, out=out)
     return _tag(_issued(gathered, what).view(n, total), what)
+
+
+@torch.library.custom_op("functional_fsdp::gloo_all_gather", mutates_args=())
+def _gloo_all_gather(parts: list[torch.Tensor], n: int, group_name: str) -> torch.Tensor:
+    """Issue the all-gather of the concatenated ``parts`` over a gloo group; return its
+    ``[n * total]`` output, which holds the result once ``wait_tensor`` has returned.
+
+    The concatenation is written straight into this rank's row, and each rank's row is
+    broadcast in place (gloo's own all-gather would receive into a buffer of its own and copy
+    it out: the output twice while in flight). One op for a traced step: the packing stays
+    where the gather is issued, and the graph holds no separate input buffer.
+    """
+    group = c10d._resolve_process_group(group_name)
+    total = sum(p.numel() for p in parts)
+    out = parts[0].new_empty(n * total)
+    torch.cat(parts, out=out.narrow(0, group.rank() * total, total))
+    for source in range(n):
+        torch.ops._c10d_functional.broadcast_(
+            out.narrow(0, source * total, total), source, group_name
+        )
+    return out
+
+
+@_gloo_all_gather.register_fake
+def _(parts: list[torch.Tensor], n: int, group_name: str) -> torch.Tensor:
+    return parts[0].new_empty(n * sum(p.numel() for p in parts))
+
+
+GLOO_ALL_GATHER = _gloo_all_gather._opoverload  # the op a traced graph holds
 
 
 def raw_reduce_scatter(
