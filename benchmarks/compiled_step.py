@@ -162,6 +162,14 @@ def main() -> None:
             elif i >= 2:  # warm-up
                 times[name].append(time.perf_counter() - t0)
     compiled = jitted.lower(held["jit"], batch())
+    alone = _collectives_alone(jitted.comms(held["jit"], batch()).records, mesh, device)
+    alone()  # warm-up
+    comm_ms = []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        alone()
+        comm_ms.append((time.perf_counter() - t0) * 1e3)
     b = batch()
     peak = {name: _peak_mib(lambda f=fn: f(b), device) for name, fn in systems.items()}
     # The tensors alone (ff.tensor_peak): the least of three steps, each system in turn.
@@ -172,6 +180,14 @@ def main() -> None:
     tensors = {name: min(v, key=lambda p: p.added_bytes) for name, v in found.items()}
     if rank == 0:
         _report(args, cfg, model, world, times, first, peak, compiled, tensors)
+        gap = (
+            statistics.median(times["ff.jit"]) - statistics.median(times["local compiled"])
+        ) * 1e3
+        print(
+            f"The step's {len(compiled.records)} collectives alone (those of ff.jit's graph, "
+            f"back to back, each waited): {statistics.median(comm_ms):.1f} ms (median); "
+            f"ff.jit minus local compiled: {gap:.1f} ms."
+        )
         if args.where:
             for name, at in tensors.items():
                 print(f"\nLive at {name}'s peak ({at.added_mib:.2f} MiB added):")
@@ -225,6 +241,33 @@ def _report(
         f"Command: torchrun --nproc-per-node {world} benchmarks/compiled_step.py "
         + " ".join(sys.argv[1:])
     )
+
+
+def _collectives_alone(records: Any, mesh: Any, device: torch.device) -> Callable[[], None]:
+    """The collectives ``records`` lists (as ``count_comms`` records them), issued one after
+    the other and each waited, on buffers of their sizes: what the communication of a step
+    costs with nothing to overlap it."""
+    from functional_fsdp.distributed import collectives as C
+
+    calls: list[Callable[[], object]] = []
+    for r in records:
+        n = r.group_size
+        elems = r.bytes * n // ((n - 1) * r.dtype.itemsize)  # the gathered or input buffer
+        if r.kind == "all_gather":
+            x = torch.zeros(elems // n, dtype=r.dtype, device=device)
+            calls.append(lambda x=x, a=r.axis: C.wait(C.raw_all_gather_parts([x], mesh, a)))
+        elif r.kind == "reduce_scatter":
+            x = torch.zeros(n, elems // n, dtype=r.dtype, device=device)
+            calls.append(lambda x=x, a=r.axis: C.wait(C.raw_reduce_scatter(x, mesh, a)))
+        else:  # an all-reduce sends its buffer twice
+            x = torch.zeros(max(elems // 2, 1), dtype=r.dtype, device=device)
+            calls.append(lambda x=x, a=r.axis: C.wait(C.raw_all_reduce(x, mesh, a)))
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
 
 
 def _where() -> str:
