@@ -37,8 +37,9 @@ def _torchrun(script: str, *args: str, nproc: int = 2) -> str:
         ["--strategy", "fsdp"],
         ["--strategy", "zero1", "--accumulate", "2"],
         ["--strategy", "zero2", "--mixed-precision", "bf16"],
+        ["--strategy", "fsdp", "--compile"],
     ],
-    ids=["fsdp", "zero1_accumulate", "zero2_bf16"],
+    ids=["fsdp", "zero1_accumulate", "zero2_bf16", "fsdp_compiled"],
 )
 def test_train_gpt_loss_falls(extra):
     out = _torchrun(
