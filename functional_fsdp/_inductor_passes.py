@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ._fx import writes_in_place
+
 
 class EarlyMatmuls(CustomGraphPass):
     """Run each matrix product of a folded ``mm(a, b) + c`` where ``a`` and ``b`` are ready.
@@ -23,6 +25,7 @@ class EarlyMatmuls(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         order = {n: i for i, n in enumerate(graph.nodes)}
+        writes = [order[n] for n in graph.nodes if writes_in_place(n)]
         for node in list(graph.nodes):
             if (
                 node.target is not torch.ops.aten.addmm.default
@@ -36,6 +39,8 @@ class EarlyMatmuls(CustomGraphPass):
             ready = a if order[a] > order[b] else b
             if order[c] < order[ready] or _bytes(node) >= _bytes(a) + _bytes(b):
                 continue
+            if any(order[ready] < i < order[node] for i in writes):
+                continue  # an in-place write in between: the matmul reads what it leaves
             while ready.next.op == "placeholder":  # after the graph's inputs
                 ready = ready.next
             with graph.inserting_after(ready):

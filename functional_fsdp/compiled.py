@@ -57,6 +57,7 @@ import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._fx import writes_in_place
 from ._tree import NAMESPACE
 from .distributed import accounting
 from .distributed.accounting import CommCounter, CommRecord
@@ -372,7 +373,7 @@ def sink_waits(graph: torch.fx.GraphModule) -> int:
     moved = 0
     nodes = list(graph.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    writes = [i for i, n in enumerate(nodes) if _writes(n)]
+    writes = [i for i, n in enumerate(nodes) if writes_in_place(n)]
     for node in nodes:
         if not _is_c10d(node, _WAIT) or not node.users:
             continue
@@ -419,14 +420,6 @@ def _is_view(node: torch.fx.Node) -> bool:
     if target is operator.getitem:
         return True
     return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-def _writes(node: torch.fx.Node) -> bool:
-    """Whether ``node`` writes into one of its arguments (an in-place or ``out=`` op)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
 
 
 def graph_comms(graph: torch.fx.GraphModule, meshes: list[DeviceMesh]) -> CommCounter:

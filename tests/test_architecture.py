@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "functional_fsdp"
 
 # Lowest first. A module belongs to the first entry that is its name or a package above it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("spec", "_tree", "_partition", "_modules")),  # specs, layouts, pytrees: pure data
+    ("core", ("spec", "_tree", "_partition", "_modules", "_fx")),  # specs, layouts, pytrees, FX
     ("distributed", ("distributed",)),  # meshes, collectives, simulation, c10d
     ("values", ("sharded",)),  # Sharded: a local block and its layout
     ("moves", ("_buckets", "resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys

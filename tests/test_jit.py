@@ -248,3 +248,12 @@ def test_a_folded_matmul_runs_where_its_inputs_are_ready():
     )
     EarlyMatmuls()(small.graph)  # a result larger than its inputs: better freed late
     assert torch.ops.aten.mm.default not in [n.target for n in small.graph.nodes]
+
+    def written(a, b, x):
+        late = x.sin()
+        a.view(-1).mul_(2)  # through a view: the matmul must read ``a`` as written here
+        return torch.addmm(late, a, b)
+
+    kept = make_fx(written)(a.clone(), b, x)
+    EarlyMatmuls()(kept.graph)
+    assert torch.ops.aten.mm.default not in [n.target for n in kept.graph.nodes]
