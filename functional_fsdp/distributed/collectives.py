@@ -146,47 +146,34 @@ def raw_all_gather_parts(
     """All-gather the concatenation of ``parts`` (each flattened) over ``axis``:
     ``[size(axis), total numel]``. Not differentiable; returns an async tensor.
 
-    On real processes, outside a trace, the parts are copied straight into this rank's row of
-    the output, which is gathered in place (as FSDP2 does): no separate input buffer is held
-    while the collective is in flight. Traced or simulated, the parts are concatenated first
+    On real processes the parts are copied straight into this rank's row of the output,
+    which is gathered in place (as FSDP2 does): no separate input buffer is held while the
+    collective is in flight. On gloo that is one op (:func:`_gloo_all_gather`), traced steps
+    included. Simulated, or traced on another backend, the parts are concatenated first
     (:func:`raw_all_gather`). ``meta`` as for :func:`raw_all_gather`.
     """
     n = axis_sizes(mesh)[axis]
-    traced = torch.compiler.is_compiling()
-    if n == 1 or is_simulated() or (traced and not _is_gloo(mesh, axis)):
-        flat = torch.cat([p.reshape(-1) for p in parts])
-        return raw_all_gather(flat, mesh, axis, counters=counters, meta=meta)
-    if traced:  # on gloo: the same in-place broadcasts, as one opaque op of the graph
-        total = sum(p.numel() for p in parts)
-        if checks._CHECK:
-            check_collective("all_gather", mesh, axis, parts[0].new_empty(total), None, meta)
-        record("all_gather", axis, n, total * parts[0].element_size() * n, parts[0].dtype, counters)
-        what = ("all_gather", mesh, axis, torch.Size([total]), parts[0].dtype)
-        with torch.no_grad():
-            out = torch.ops.functional_fsdp.gloo_all_gather(
-                [p.reshape(-1) for p in parts], n, _group_name(mesh, axis)
-            )
-        return _tag(_issued(out, what).view(n, total), what)
-    total = sum(p.numel() for p in parts)
-    out = parts[0].new_empty(n * total)
-    row = out.narrow(0, local_coordinate(mesh)[axis] * total, total)
-    torch.cat([p.reshape(-1) for p in parts], out=row)
-    if checks._CHECK:
-        check_collective("all_gather", mesh, axis, row, None, meta)
-    record("all_gather", axis, n, _nbytes(row) * n, row.dtype, counters)
-    what: What = ("all_gather", mesh, axis, row.shape, row.dtype)
-    ops, group = torch.ops._c10d_functional, _group_name(mesh, axis)
+    gloo = n > 1 and not is_simulated() and _is_gloo(mesh, axis)
+    flat_parts = [p.reshape(-1) for p in parts]
+    if n == 1 or is_simulated() or (torch.compiler.is_compiling() and not gloo):
+        return raw_all_gather(torch.cat(flat_parts), mesh, axis, counters=counters, meta=meta)
+    total, dtype = sum(p.numel() for p in parts), parts[0].dtype
+    if checks._CHECK:  # the check reads the shape and dtype only
+        check_collective(
+            "all_gather", mesh, axis, parts[0].new_empty(total, device="meta"), None, meta
+        )
+    record("all_gather", axis, n, total * parts[0].element_size() * n, dtype, counters)
+    what: What = ("all_gather", mesh, axis, torch.Size([total]), dtype)
+    group = _group_name(mesh, axis)
     with torch.no_grad():
-        if _is_gloo(mesh, axis):
-            # gloo's all-gather receives into a flat buffer of its own and copies it out, so
-            # an all-gather in flight holds its output twice. Each rank's row broadcast in
-            # place holds it once (the same bytes over the wire; one group runs them in turn).
-            for source in range(n):
-                ops.broadcast_(out.narrow(0, source * total, total), source, group)
-            gathered = out
+        if gloo:
+            out = torch.ops.functional_fsdp.gloo_all_gather(flat_parts, n, group)
         else:
-            gathered = ops.all_gather_into_tensor_out(row, n, group, out=out)
-    return _tag(_issued(gathered, what).view(n, total), what)
+            out = parts[0].new_empty(n * total)
+            row = out.narrow(0, local_coordinate(mesh)[axis] * total, total)
+            torch.cat(flat_parts, out=row)
+            out = torch.ops._c10d_functional.all_gather_into_tensor_out(row, n, group, out=out)
+    return _tag(_issued(out, what).view(n, total), what)
 
 
 @torch.library.custom_op("functional_fsdp::gloo_all_gather", mutates_args=())
@@ -196,8 +183,9 @@ def _gloo_all_gather(parts: list[torch.Tensor], n: int, group_name: str) -> torc
 
     The concatenation is written straight into this rank's row, and each rank's row is
     broadcast in place (gloo's own all-gather would receive into a buffer of its own and copy
-    it out: the output twice while in flight). One op for a traced step: the packing stays
-    where the gather is issued, and the graph holds no separate input buffer.
+    it out: the output twice while in flight; the same bytes go over the wire, and one group
+    runs the broadcasts in turn). One op, so that a traced step keeps the packing where the
+    gather is issued and holds no separate input buffer.
     """
     group = c10d._resolve_process_group(group_name)
     total = sum(p.numel() for p in parts)
