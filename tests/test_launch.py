@@ -6,6 +6,7 @@ pytest timeout, so a launcher that hangs fails the test instead of stalling the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -254,6 +255,7 @@ def test_destroy_process_group_leaves_no_collective_threads_for_interpreter_exit
         textwrap.dedent(
             """
             import gc
+            import json
             import os
 
             import torch
@@ -282,20 +284,22 @@ def test_destroy_process_group_leaves_no_collective_threads_for_interpreter_exit
             before = threads()
             main()
             gc.collect()
-            print("threads before:", before)
-            print("threads after:", threads())
+            # One file per rank: the ranks share torchrun's stdout, where their lines interleave.
+            out = os.path.join(os.environ["OUT_DIR"], os.environ["RANK"] + ".json")
+            with open(out, "w") as f:
+                json.dump({"before": before, "after": threads()}, f)
             """
         )
     )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
+        "OUT_DIR": str(tmp_path),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(script)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout + out.stderr
-    before = re.findall(r"threads before: (.*)", out.stdout)
-    after = re.findall(r"threads after: (.*)", out.stdout)
-    assert len(before) == len(after) == 2, out.stdout
-    assert after == before, out.stdout
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["after"] == seen["before"], (rank, seen)
