@@ -282,9 +282,39 @@ def _gather_changed_local(ctx: Ctx) -> Any:
     return ff.gather(ff.tree_map(lambda t: t[:1], w))
 
 
-def _apply_with(ctx: Ctx, params_of: Callable[[Any], Any]) -> Any:
-    sm = ff.fsdp(mlp(), ctx.mesh)
+def _apply_with(
+    ctx: Ctx, params_of: Callable[[Any], Any], make: Callable[[], nn.Module] = mlp
+) -> Any:
+    torch.manual_seed(0)
+    sm = ff.fsdp(make(), ctx.mesh)
     return sm.apply(params_of(sm), torch.ones(2, 8))
+
+
+class _Counts(nn.Module):
+    """Counts its calls in a buffer, written in place by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def _train_step_writing(ctx: Ctx, make: Callable[[], nn.Module]) -> Any:
+    """A train_step on ``make()``; raises unless the model's buffers are what they were."""
+    torch.manual_seed(0)
+    model = make()
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    sm = ff.fsdp(model, ctx.mesh)
+    step = ff.train_step(lambda p, x: sm.apply(p, x).square().mean(), ff.sgd(0.1), model=sm)
+    try:
+        return step(ff.TrainState.create(sm.shard(), ff.sgd(0.1)), torch.ones(4, 8))
+    finally:
+        for k, b in model.named_buffers():
+            torch.testing.assert_close(b, before[k], rtol=0, atol=0)
 
 
 def _other_mesh_params(ctx: Ctx, mesh: DeviceMesh) -> Any:
@@ -892,7 +922,48 @@ CASES: list[Case] = [
         ("Policy(grad_reduce='avg'): use 'mean'",),
         lambda ctx: ff.Policy(grad_reduce="avg"),  # type: ignore[arg-type]
     ),
+    Case(
+        "mixed_precision_dtype_name",
+        "MixedPrecision(param_dtype='bf16')",
+        TypeError,
+        (
+            "MixedPrecision(param_dtype='bf16'): takes a floating-point torch.dtype",
+            "e.g. MixedPrecision(param_dtype=torch.bfloat16)",
+        ),
+        lambda ctx: ff.MixedPrecision(param_dtype="bf16"),  # type: ignore[arg-type]
+    ),
+    Case(
+        "mixed_precision_integer_dtype",
+        "MixedPrecision(reduce_dtype=torch.int32)",
+        TypeError,
+        ("MixedPrecision(reduce_dtype=torch.int32): takes a floating-point torch.dtype, or None",),
+        lambda ctx: ff.MixedPrecision(reduce_dtype=torch.int32),
+    ),
     # ---- FSDP.apply
+    Case(
+        "apply_batchnorm_training",
+        "train_step on Sequential(Linear, BatchNorm1d) in training mode",
+        ValueError,
+        (
+            "FSDP.apply: the forward writes the buffer '1.running_mean' of BatchNorm1d "
+            "(shape (8,), torch.float32) in place",
+            "each rank would keep its own value",
+            "track_running_stats=False",
+            "layer.eval()",
+        ),
+        lambda ctx: _train_step_writing(
+            ctx, lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        ),
+        real=True,
+    ),
+    Case(
+        "apply_buffer_written",
+        "sharded_model.apply on a module whose forward adds 1 to a buffer",
+        ValueError,
+        ("FSDP.apply: the forward writes the buffer 'calls' of _Counts (shape (), torch.int64)",),
+        lambda ctx: _apply_with(ctx, lambda sm: sm.shard(), _Counts),
+        real=True,
+    ),
     Case(
         "apply_params_list",
         "sharded_model.apply(list(params.values()), x)",

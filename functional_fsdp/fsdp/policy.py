@@ -44,6 +44,29 @@ class MixedPrecision:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dtype = getattr(self, field)
+            if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                continue
+            named = _DTYPE_NAMES.get(dtype.lower()) if isinstance(dtype, str) else None
+            raise TypeError(
+                f"MixedPrecision({field}={dtype!r}): takes a floating-point torch.dtype, or None "
+                f"to keep the shard's dtype; e.g. MixedPrecision({field}=torch.{named or 'bfloat16'})."
+            )
+
+
+# What people write for a dtype, and the torch.dtype they mean (for MixedPrecision's error).
+_DTYPE_NAMES = {
+    **{name: name for name in ("bfloat16", "float16", "float32", "float64", "half", "float")},
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+}
+
 
 @dataclass(frozen=True, init=False)
 class Policy:

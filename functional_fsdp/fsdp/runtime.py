@@ -184,6 +184,7 @@ def run(
         base = module.__dict__.get("forward")
         module.__dict__["forward"] = _Forward(module, base, by_path.get(path, ()), unit)
 
+    versions = _buffer_versions(copies)
     root = state.root_call()
     try:
         if root is not None:
@@ -197,6 +198,7 @@ def run(
         out = copies[""](*args, **kwargs)
     finally:
         state.drop_prefetches()  # issued ahead for a call that did not come
+    _refuse_buffer_writes(_written(versions), copies)
     if policy.mixed_precision.output_dtype is not None:
         out = cast_floating(out, policy.mixed_precision.output_dtype)
     if policy.reshard_after_forward and root is not None:
@@ -452,3 +454,55 @@ def _set_buffers(
                 f"are {known[:8]}."
             )
         module._buffers[attr] = t
+
+
+def _buffer_versions(copies: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each buffer the call's modules hold, by key path, with its version counter.
+
+    A BatchNorm layer that would update its running statistics is refused here, before the
+    forward writes them; any other in-place write shows in the versions afterwards.
+    """
+    found: dict[str, tuple[torch.Tensor, int]] = {}
+    seen: set[int] = set()
+    for path, module in copies.items():
+        if (
+            isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and module.training
+            and module.running_mean is not None
+        ):
+            key = f"{path}.running_mean" if path else "running_mean"
+            _refuse_buffer_writes([(key, module.running_mean)], copies)
+        for name, t in module._buffers.items():
+            if t is None or id(t) in seen or t.is_inference():  # no version counter
+                continue
+            seen.add(id(t))
+            found[f"{path}.{name}" if path else name] = (t, t._version)
+    return found
+
+
+def _written(versions: dict[str, tuple[torch.Tensor, int]]) -> list[tuple[str, torch.Tensor]]:
+    return [(k, t) for k, (t, v) in versions.items() if t._version != v]
+
+
+def _refuse_buffer_writes(
+    written: list[tuple[str, torch.Tensor]], copies: dict[str, nn.Module]
+) -> None:
+    """Raise if the forward writes a buffer in place (BatchNorm's running statistics in training
+    mode): the write would change the caller's module (or ``buffers=``), and every rank would
+    keep its own value, outside the training state and its checkpoints."""
+    if not written:
+        return
+    key, t = written[0]
+    owner = type(copies[key.rpartition(".")[0]]).__name__
+    others = (
+        f" (and {len(written) - 1} more: {[k for k, _ in written[1:4]]})" if written[1:] else ""
+    )
+    raise ValueError(
+        f"FSDP.apply: the forward writes the buffer {key!r} of {owner} (shape "
+        f"{tuple(t.shape)}, {t.dtype}) in place{others}, as BatchNorm's running statistics do "
+        f"in training mode. Buffers are not training state here: the write would change your "
+        f"module, each rank would keep its own value, and checkpoints would not hold it. Build "
+        f"the layer with track_running_stats=False (batch statistics, no buffers), freeze it "
+        f"with layer.eval() before calling (its running statistics as they are), or use "
+        f"LayerNorm or GroupNorm."
+    )
