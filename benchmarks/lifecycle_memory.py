@@ -195,6 +195,7 @@ def run_ff(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[[],
     held: dict[str, Any] = {}
 
     def create() -> None:
+        torch.manual_seed(0)  # the same model on every rank (init_sharded checks)
         params, _ = ff.init_sharded(sm)
         del params
 

@@ -49,6 +49,7 @@ def _way(name: str, config: GPTConfig, mesh: Any) -> Any:
     sm = ff.fsdp(_meta_model(config), mesh)
 
     def run() -> None:
+        torch.manual_seed(0)  # the same model on every rank (shard and init_sharded check)
         params = sm.shard() if name == "shard" else ff.init_sharded(sm, init_fn=GPT._init)[0]
         del params
 

@@ -177,6 +177,7 @@ def run_ff(
             for name in m.lora_A:
                 m.reset_lora_parameters(name, True)
 
+    torch.manual_seed(0)  # the same adapters on every rank (init_sharded checks)
     params, buffers = ff.init_sharded(sm, init_fn=init)
     frozen = set(params) - sm.trainable
     rename = lambda n: n.removeprefix("base_model.model.").replace(".base_layer", "")  # noqa: E731

@@ -301,6 +301,7 @@ def main() -> None:
     sm = ff.fsdp(model, mesh, policy=policy, specs=specs, wrappers=wrappers)
 
     # 3. Adapters initialised unit by unit; the frozen base read shard by shard.
+    torch.manual_seed(args.seed)  # the same adapters on every rank (init_sharded checks)
     params, buffers = ff.init_sharded(sm, init_fn=lora_init)
     frozen = set(params) - sm.trainable
     to_file = lambda name: name.removeprefix("base_model.model.").replace(".base_layer", "")  # noqa: E731

@@ -273,3 +273,18 @@ def init_error(kind: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def init_seeded_per_rank(kind: str) -> str:
+    """init_sharded's message on a meta model with every rank seeded differently
+    (``"no error"`` if none)."""
+    torch.manual_seed(dist.get_rank())
+    make = {"draws": lambda: nn.Linear(4, 4), "no_draws": lambda: nn.LayerNorm(4)}[kind]
+    with torch.device("meta"):
+        module = make()
+    sm = ff.fsdp(module, ff.make_mesh({"dp": dist.get_world_size()}))
+    try:
+        init_sharded(sm)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -109,6 +109,20 @@ def test_error_when_init_writes_another_unit(pools):
     ), message
 
 
+def test_error_when_ranks_would_draw_from_different_generators(pools):
+    # Each rank keeps its blocks of what its own generator draws: seeded differently, the
+    # blocks would come from different models. A model that draws nothing may differ.
+    for message in pools.run(2, W.init_seeded_per_rank, "draws"):
+        assert message == (
+            "init_sharded: the ranks of Mesh(dp=2) start from different random-number "
+            "generator states, and this model's initialisation draws random numbers: each rank "
+            "would keep its blocks of a different model (and replicated values would differ "
+            "between ranks). Seed every rank the same before calling it: torch.manual_seed(seed), "
+            "one seed on every rank."
+        )
+    assert pools.run(2, W.init_seeded_per_rank, "no_draws") == ["no error", "no error"]
+
+
 def test_init_steps_follow_eager_construction():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 2), nn.MultiheadAttention(4, 2))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,11 +44,12 @@ from torch.utils import swap_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._partition import mark_frozen
-from ..distributed.axes import _simulation_paused
+from ..distributed import agreement
+from ..distributed.axes import _simulation_paused, axis_sizes
 from ..distributed.simulate import is_simulated
 from ..resharding import shard
 from ..sharded import Sharded
-from ..spec import P
+from ..spec import P, format_mesh
 
 InitFn = Callable[[nn.Module], Any]
 
@@ -327,6 +329,25 @@ def _set_rng_state(state: tuple[torch.Tensor, ...], device: torch.device) -> Non
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _check_generators_agree(mesh: DeviceMesh, state: tuple[torch.Tensor, ...]) -> None:
+    """Raise unless every rank starts an initialisation that draws random numbers from the
+    same generator state: each rank keeps its own blocks, so ranks seeded differently would
+    put together a model that no seed gives (and replicated values that differ by rank)."""
+    if is_simulated() or mesh.size() == 1 or torch.compiler.is_compiling():
+        return  # one process: one generator
+    crc = zlib.crc32(b"".join(t.cpu().numpy().tobytes() for t in state)) & 0x7FFFFFFF
+    row = torch.tensor([crc], dtype=torch.int64, device=agreement.device(mesh))
+    if agreement.rows_agree(mesh, row, "init_sharded", None):
+        return
+    raise ValueError(
+        f"init_sharded: the ranks of {format_mesh(axis_sizes(mesh))} start from different "
+        f"random-number generator states, and this model's initialisation draws random "
+        f"numbers: each rank would keep its blocks of a different model (and replicated "
+        f"values would differ between ranks). Seed every rank the same before calling it: "
+        f"torch.manual_seed(seed), one seed on every rank."
+    )
+
+
 def _same_state(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -523,6 +544,8 @@ def init_sharded(
         finally:
             _set_rng_state(start, device)
         _check_initialised(dry, module)
+        if dry.states and not _same_state(start, dry.states[-1]):
+            _check_generators_agree(sm.mesh, start)
         order = list(dict.fromkeys([_unit_of(s.path, sm.units) for s in steps]))
         order += [u for u in ["", *sm.units] if u not in order]
         _check_tie_order(dry, order)
