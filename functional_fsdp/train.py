@@ -597,7 +597,12 @@ def train_step(
 
     Args:
         loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
-            model with :meth:`FSDP.apply` (which reduces gradients over the data axes).
+            model with :meth:`FSDP.apply` (which reduces gradients over the data axes). The
+            step's loss and gradient are the mean over data-parallel ranks (and
+            micro-batches) of ``loss_fn``'s, as DDP and FSDP2 give: the global batch's mean
+            when every share counts the same number of items. A per-token mean over shares
+            with different numbers of counted tokens (padding, labels of -100) is weighted
+            per share, not per token.
         optimizer: a :class:`GradientTransformation`, e.g. ``chain(clip_by_global_norm(1.0),
             adamw(3e-4))``.
         model: the :class:`FSDP` description (mesh, data axes, policy). Needed for
@@ -973,11 +978,16 @@ def _from_masters(train: Any, master: Any, in_place: bool) -> Any:
 
 
 def _check_global_batch_randomness(model: FSDP | None, accumulate: int) -> None:
-    if model is None or accumulate != 1:
+    if model is None:
         raise ValueError(
-            f"train_step(randomness='global_batch') needs model=ff.fsdp(...) (got "
-            f"{'none' if model is None else 'one'}) and accumulate=1 (got {accumulate}): it "
-            f"draws for the global batch of one step. Use randomness='per_rank' otherwise."
+            "train_step(randomness='global_batch') needs model=ff.fsdp(...): it draws for the "
+            "global batch, laid out over the model's mesh."
+        )
+    if accumulate != 1:
+        raise ValueError(
+            f"train_step(randomness='global_batch', accumulate={accumulate}): global-batch "
+            f"randomness draws for the whole global batch of a step at once, so it needs "
+            f"accumulate=1. Use randomness='per_rank' to accumulate."
         )
     sizes = axis_sizes(model.mesh)
     model_axes = {a: n for a, n in sizes.items() if a not in model.data_axes and n > 1}

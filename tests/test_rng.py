@@ -269,7 +269,11 @@ def test_global_batch_randomness_errors():
         sm = ff.fsdp(nn.Linear(4, 4), mesh)
         with pytest.raises(ValueError, match=r"supports data-parallel meshes only; the mesh"):
             ff.train_step(lambda p, b: b, ff.sgd(0.1), model=sm, randomness="global_batch")
-    with pytest.raises(ValueError, match=r"needs model=ff.fsdp\(...\) \(got none\)"):
+        with pytest.raises(ValueError, match=r"accumulate=2\): global-batch randomness .* needs "):
+            ff.train_step(
+                lambda p, b: b, ff.sgd(0.1), model=sm, accumulate=2, randomness="global_batch"
+            )
+    with pytest.raises(ValueError, match=r"needs model=ff.fsdp\(...\): it draws for the global"):
         ff.train_step(lambda p, b: b, ff.sgd(0.1), batch="local", randomness="global_batch")
     with pytest.raises(ValueError, match=r"randomness must be 'per_rank' or 'global_batch'"):
         ff.train_step(lambda p, b: b, ff.sgd(0.1), batch="local", randomness="global")
