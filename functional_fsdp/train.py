@@ -21,12 +21,13 @@ from typing import Any, Literal
 
 import optree
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import rng as random
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
+from .distributed import agreement, process
 from .distributed import collectives as C
-from .distributed import process
 from .distributed.axes import data_axes_of
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
@@ -492,6 +493,49 @@ def local_batch(
     return optree.tree_unflatten(treedef, out)
 
 
+def _check_same_global_batch(data: Batch, mesh: DeviceMesh) -> None:
+    """Raise unless every rank passed the same global batch (one small all-gather per axis)."""
+    if is_simulated() or torch.compiler.is_compiling():
+        return  # one program: the same batch on every simulated rank
+    if all(n == 1 for n in axis_sizes(mesh).values()):
+        return
+    paths, leaves, _ = optree.tree_flatten_with_path(data)
+    named = [
+        (f"batch{keystr(p) if p else ''}", t)
+        for p, t in zip(paths, leaves)
+        if isinstance(t, torch.Tensor)
+    ]
+    device = agreement.device(mesh)
+    layout = [(k, tuple(t.shape), t.dtype) for k, t in named]
+    head = torch.tensor([len(named), agreement.layout_hash(layout)], device=device)
+    digests = agreement.tree_digest([t for _, t in named], device)
+    if agreement.rows_agree(mesh, torch.cat([head, digests]), "train_step", None):
+        return
+    mine: list[agreement.Detail] = [
+        (k, tuple(t.shape), str(t.dtype), "", tuple(agreement.digest(t).tolist()))  # type: ignore[misc]
+        for k, t in named
+    ]
+    per_rank = agreement.details(mesh, mine, None)
+    first, _ = agreement.first_difference(per_rank)
+    if first is None:
+        rows = {r: f"{len(t)} tensors" for r, t in per_rank.items()}
+        what = "the batch"
+    else:
+        what = next(iter(per_rank.values()))[first][0]
+        rows = {
+            r: f"shape {t[first][1]}, {t[first][2]}, checksum {agreement.short(t[first][4])}"
+            for r, t in per_rank.items()
+        }
+    raise ValueError(
+        f"train_step(batch='global'): {what} differs between the ranks of "
+        f"{format_mesh(axis_sizes(mesh))}:\n{agreement.by_rank(rows)}\nWith batch='global' "
+        f"every rank passes the same global batch and keeps its own share of dim 0, so the "
+        f"other shares of each rank's batch would be dropped. If each rank loads its own "
+        f"data, pass train_step(..., batch='local'); otherwise load the same batches on every "
+        f"rank (the same seed and order)."
+    )
+
+
 def _share_description(data: Batch, model: FSDP) -> str:
     """Names this rank's share of a global batch in errors: which batch was counted."""
     sizes = axis_sizes(model.mesh)
@@ -608,8 +652,9 @@ def train_step(
         model: the :class:`FSDP` description (mesh, data axes, policy). Needed for
             ``batch="global"``, ``accumulate_mode="local"`` and metrics over the mesh.
         batch: ``"global"``: every rank passes the same global batch and keeps its share of
-            dim 0 (the loss is then the global-batch mean); ``"local"``: each rank passes
-            its own share.
+            dim 0 (the loss is then the global-batch mean; the step's first call checks that
+            the ranks' batches agree, and raises if not); ``"local"``: each rank passes its
+            own share.
         accumulate: split this rank's batch into this many micro-batches.
         accumulate_mode: ``"reduce_each"`` runs the sharded step per micro-batch and adds the
             reduce-scattered gradients (least memory: only shard-sized gradients; ZeRO-2 with
@@ -782,6 +827,8 @@ def train_step(
             total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
         return shards, total, loss
 
+    checked_batch: list[bool] = []  # whether a call compared the ranks' global batches
+
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -799,6 +846,9 @@ def train_step(
         whose = "this rank's batch (batch='local')"
         local = data
         if batch == "global" and model is not None:
+            if not checked_batch:  # the first call: a step that loads per-rank data
+                _check_same_global_batch(data, model.mesh)
+                checked_batch.append(True)
             local = local_batch(data, model.mesh, model.data_axes, where="train_step")
             whose = _share_description(data, model)
         split = _Split(params, state.trainable)

@@ -370,6 +370,15 @@ def _lora_state_without_trainable(ctx: Ctx) -> Any:
     return ff.TrainState.create(ff.fsdp(model, ctx.mesh).shard(), ff.adamw(1e-3))
 
 
+def _per_rank_global_batch(ctx: Ctx) -> Any:
+    """batch='global' (the default) with each rank's own data, as a DDP loop loads it."""
+    step, state = _step(ctx)
+    x, y = _batch(4)
+    x = x + dist.get_rank()  # rank 1's inputs differ; the targets agree
+    state, _ = step(state, (x, y))  # the first call compares the ranks' batches
+    return state
+
+
 def _step_after_simulation(ctx: Ctx) -> Any:
     with ff.simulated_mesh({"dp": 2}) as mesh:
         sm = ff.fsdp(mlp(), mesh)
@@ -714,6 +723,21 @@ CASES: list[Case] = [
             "a branch on the rank",
         ),
         lambda ctx: ff.gather(_other_shape_per_rank(ctx)),
+        where="real",
+        real=True,
+    ),
+    Case(
+        "train_step_global_batch_differs_between_ranks",
+        "train_step(batch='global') with each rank's own batch",
+        ValueError,
+        (
+            "train_step(batch='global'): batch[0] differs between the ranks of Mesh(dp=2):\n"
+            "  rank 0: shape (4, 8), torch.float32, checksum ",
+            "  rank 1: shape (4, 8), torch.float32, checksum ",
+            "every rank passes the same global batch and keeps its own share of dim 0",
+            "pass train_step(..., batch='local')",
+        ),
+        _per_rank_global_batch,
         where="real",
         real=True,
     ),
