@@ -263,18 +263,9 @@ def _check_same_values(
     sizes = axis_sizes(mesh)
     if all(n == 1 for n in sizes.values()):
         return
-    device = agreement.device(mesh)
-    layout = [(p, tuple(t.shape), t.dtype, s) for p, t, s in named]
-    combined = agreement.tree_digest([t for _, t, _ in named], device)
-    head = torch.tensor([len(named), agreement.layout_hash(layout)], device=device)
-    if agreement.rows_agree(mesh, torch.cat([head, combined]), "shard()", None):
-        return
-    # Something differs: each tensor's own checksum, to name it (the error path only).
-    mine: list[agreement.Detail] = [
-        (p, tuple(t.shape), _dtype_name(t.dtype), s, tuple(agreement.digest(t).tolist()))  # type: ignore[misc]
-        for p, t, s in named
-    ]
-    raise ValueError(_differs_message(mesh, agreement.details(mesh, mine, None), simulated=False))
+    per_rank = agreement.differences(mesh, named, "shard()")
+    if per_rank is not None:
+        raise ValueError(_differs_message(mesh, per_rank, simulated=False))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

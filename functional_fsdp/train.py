@@ -501,23 +501,15 @@ def _check_same_global_batch(data: Batch, mesh: DeviceMesh) -> None:
         return
     paths, leaves, _ = optree.tree_flatten_with_path(data)
     named = [
-        (f"batch{keystr(p) if p else ''}", t)
+        (f"batch{keystr(p) if p else ''}", t, "")
         for p, t in zip(paths, leaves)
         if isinstance(t, torch.Tensor)
     ]
-    if any(t.is_meta for _, t in named):
+    if any(t.is_meta for _, t, _ in named):
         return  # a shapes-only simulation: no values to compare
-    device = agreement.device(mesh)
-    layout = [(k, tuple(t.shape), t.dtype) for k, t in named]
-    head = torch.tensor([len(named), agreement.layout_hash(layout)], device=device)
-    digests = agreement.tree_digest([t for _, t in named], device)
-    if agreement.rows_agree(mesh, torch.cat([head, digests]), "train_step", None):
+    per_rank = agreement.differences(mesh, named, "train_step")
+    if per_rank is None:
         return
-    mine: list[agreement.Detail] = [
-        (k, tuple(t.shape), str(t.dtype), "", tuple(agreement.digest(t).tolist()))  # type: ignore[misc]
-        for k, t in named
-    ]
-    per_rank = agreement.details(mesh, mine, None)
     first, _ = agreement.first_difference(per_rank)
     if first is None:
         rows = {r: f"{len(t)} tensors" for r, t in per_rank.items()}
@@ -525,7 +517,7 @@ def _check_same_global_batch(data: Batch, mesh: DeviceMesh) -> None:
     else:
         what = next(iter(per_rank.values()))[first][0]
         rows = {
-            r: f"shape {t[first][1]}, {t[first][2]}, checksum {agreement.short(t[first][4])}"
+            r: f"shape {t[first][1]}, torch.{t[first][2]}, checksum {agreement.short(t[first][4])}"
             for r, t in per_rank.items()
         }
     raise ValueError(

@@ -265,24 +265,23 @@ ERROR_MODELS: dict[str, Callable[[], nn.Module]] = {
 
 def init_error(kind: str) -> str:
     """The message init_sharded raises for a bad meta model (``"no error"`` if none)."""
-    with torch.device("meta"):
-        model = ERROR_MODELS[kind]()
-    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    try:
-        init_sharded(sm)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _init_message(ERROR_MODELS[kind])
 
 
 def init_seeded_per_rank(kind: str) -> str:
     """init_sharded's message on a meta model with every rank seeded differently
     (``"no error"`` if none)."""
     torch.manual_seed(dist.get_rank())
-    make = {"draws": lambda: nn.Linear(4, 4), "no_draws": lambda: nn.LayerNorm(4)}[kind]
+    return _init_message(
+        {"draws": lambda: nn.Linear(4, 4), "no_draws": lambda: nn.LayerNorm(4)}[kind]
+    )
+
+
+def _init_message(make: Callable[[], nn.Module]) -> str:
+    """The message init_sharded raises for ``make()`` built on meta (``"no error"`` if none)."""
     with torch.device("meta"):
-        module = make()
-    sm = ff.fsdp(module, ff.make_mesh({"dp": dist.get_world_size()}))
+        model = make()
+    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
     try:
         init_sharded(sm)
     except ValueError as e:

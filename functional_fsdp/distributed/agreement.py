@@ -178,6 +178,25 @@ def rows_agree(mesh: DeviceMesh, row: torch.Tensor, where: str, axes: Sequence[s
     return agree
 
 
+def differences(
+    mesh: DeviceMesh, named: Sequence[tuple[str, torch.Tensor, str]], where: str
+) -> dict[int, list[Detail]] | None:
+    """``None`` if every rank of ``mesh`` holds the same ``(path, tensor, spec)`` leaves (one
+    row of checksums, all-gathered once per axis); else every rank's :func:`details` of them,
+    each tensor with its own checksum (the error path)."""
+    dev = device(mesh)
+    layout = [(p, tuple(t.shape), t.dtype, s) for p, t, s in named]
+    head = torch.tensor([len(named), layout_hash(layout)], device=dev)
+    row = torch.cat([head, tree_digest([t for _, t, _ in named], dev)])
+    if rows_agree(mesh, row, where, None):
+        return None
+    mine: list[Detail] = [
+        (p, tuple(t.shape), _dtype(t.dtype), s, tuple(digest(t).tolist()))  # type: ignore[misc]
+        for p, t, s in named
+    ]
+    return details(mesh, mine, None)
+
+
 def details(
     mesh: DeviceMesh, mine: list[Detail], axes: Sequence[str] | None
 ) -> dict[int, list[Detail]]:

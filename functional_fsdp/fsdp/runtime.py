@@ -459,25 +459,31 @@ def _set_buffers(
 def _buffer_versions(copies: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, int]]:
     """Each buffer the call's modules hold, by key path, with its version counter.
 
-    A BatchNorm layer that would update its running statistics is refused here, before the
-    forward writes them; any other in-place write shows in the versions afterwards.
+    A BatchNorm layer that would update its running statistics is refused first, before the
+    forward writes them (its kernel writes them without bumping their versions); any other
+    in-place write shows in the versions after the forward.
     """
+    for path, module in copies.items():
+        if _updates_running_stats(module):
+            key = f"{path}.running_mean" if path else "running_mean"
+            _refuse_buffer_writes([(key, module.running_mean)], copies)
     found: dict[str, tuple[torch.Tensor, int]] = {}
     seen: set[int] = set()
     for path, module in copies.items():
-        if (
-            isinstance(module, nn.modules.batchnorm._BatchNorm)
-            and module.training
-            and module.running_mean is not None
-        ):
-            key = f"{path}.running_mean" if path else "running_mean"
-            _refuse_buffer_writes([(key, module.running_mean)], copies)
         for name, t in module._buffers.items():
             if t is None or id(t) in seen or t.is_inference():  # no version counter
                 continue
             seen.add(id(t))
             found[f"{path}.{name}" if path else name] = (t, t._version)
     return found
+
+
+def _updates_running_stats(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.training
+        and module.running_mean is not None
+    )
 
 
 def _written(versions: dict[str, tuple[torch.Tensor, int]]) -> list[tuple[str, torch.Tensor]]:
