@@ -272,9 +272,14 @@ def init_seeded_per_rank(kind: str) -> str:
     """init_sharded's message on a meta model with every rank seeded differently
     (``"no error"`` if none)."""
     torch.manual_seed(dist.get_rank())
-    return _init_message(
-        {"draws": lambda: nn.Linear(4, 4), "no_draws": lambda: nn.LayerNorm(4)}[kind]
-    )
+    return _init_message(SEEDED_MODELS[kind])
+
+
+SEEDED_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "draws": lambda: nn.Linear(4, 4),
+    "no_draws": lambda: nn.LayerNorm(4),
+    "llama": lambda: llama(tied=False),  # transformers' own _init_weights draws
+}
 
 
 def _init_message(make: Callable[[], nn.Module]) -> str:

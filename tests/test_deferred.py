@@ -112,7 +112,10 @@ def test_error_when_init_writes_another_unit(pools):
 def test_error_when_ranks_would_draw_from_different_generators(pools):
     # Each rank keeps its blocks of what its own generator draws: seeded differently, the
     # blocks would come from different models. A model that draws nothing may differ.
-    for message in pools.run(2, W.init_seeded_per_rank, "draws"):
+    for message in [
+        *pools.run(2, W.init_seeded_per_rank, "draws"),
+        *pools.run(2, W.init_seeded_per_rank, "llama"),
+    ]:
         assert message == (
             "init_sharded: the ranks of Mesh(dp=2) start from different random-number "
             "generator states, and this model's initialisation draws random numbers: each rank "
