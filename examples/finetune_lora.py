@@ -332,6 +332,12 @@ def main() -> None:
         state = manager.restore(state)
         if rank == 0:
             print(f"resumed at step {state.step} from {args.checkpoint_dir}")
+        try:
+            check_steps_left(int(state.step), args.steps, args.checkpoint_dir)
+        except ValueError as e:
+            manager.close()
+            dist.destroy_process_group()
+            raise SystemExit(f"finetune_lora.py: {e}") from None
     if rank == 0:
         print(
             f"{type(base).__name__} from {path}: {n_all:,} parameters, {n_train:,} trainable "
@@ -362,6 +368,25 @@ def main() -> None:
         sample(path, out, tokenizer, args)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def check_steps_left(step: int, steps: int, checkpoint_dir: str) -> None:
+    """Refuse a resume with nothing left to train: the checkpoint already reached ``--steps``.
+
+    Example:
+        >>> check_steps_left(100, 200, "ckpt")
+        >>> check_steps_left(200, 200, "ckpt")
+        Traceback (most recent call last):
+        ...
+        ValueError: --resume: the latest checkpoint in 'ckpt' is at step 200 and --steps is 200, so there is nothing left to train. Pass --steps N with N above 200 to train more (the learning-rate schedule then runs to N), or leave out --resume to start again.
+    """
+    if step >= steps:
+        raise ValueError(
+            f"--resume: the latest checkpoint in {checkpoint_dir!r} is at step {step} and "
+            f"--steps is {steps}, so there is nothing left to train. Pass --steps N with N "
+            f"above {step} to train more (the learning-rate schedule then runs to N), or leave "
+            f"out --resume to start again."
+        )
 
 
 def sample(path: str, adapter: str, tokenizer: Any, args: argparse.Namespace) -> None:

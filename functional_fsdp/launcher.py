@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import importlib
+import io
 import os
 import pickle
 import signal
@@ -27,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -607,14 +610,70 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with module-like objects sent by name.
+
+    Some of torch's modules replace themselves in ``sys.modules`` with an object that is not
+    a module (``torch.distributed.config`` and the other config modules are
+    ``ConfigModuleInstance``s, a subclass of the module type). cloudpickle sends a module by
+    name, but only one of exactly the module type, and fails on such an object; here anything
+    that is ``sys.modules[its __name__]`` is imported by name in the worker, as a module is.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        name = getattr(obj, "__name__", None)
+        if (
+            isinstance(name, str)
+            and type(obj) is not types.ModuleType  # cloudpickle's own rule for modules
+            and not isinstance(obj, (type, types.FunctionType))
+            and sys.modules.get(name) is obj
+        ):
+            return importlib.import_module, (name,)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _unpicklable_globals(fn: Callable[..., Any]) -> list[str]:
+    """The globals ``fn`` (and the functions it defines) reads that cannot be pickled."""
+    code, names = getattr(fn, "__code__", None), set()
+    stack = [code] if code is not None else []
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    found = []
+    for name in sorted(names):
+        value = getattr(fn, "__globals__", {}).get(name, None)
+        if value is None or type(value) is types.ModuleType:
+            continue
+        try:
+            _dumps(value)
+        except Exception as e:
+            found.append(f"{name!r} ({type(value).__name__}: {type(e).__name__}: {e})")
+    return found
+
+
 def _pack(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return _dumps((fn, args, kwargs))
     except Exception as e:
+        culprits = _unpicklable_globals(fn)
+        where = (
+            f"{_name(fn)} reads the global {', '.join(culprits)}, which cannot be pickled. "
+            f"Create or import it inside the function, or move the function into a module "
+            f"of its own that the workers can import (it is then sent by name)."
+            if culprits
+            else "Pass picklable values (tensors, numbers, plain containers), and create "
+            "locks, files or processes inside the function."
+        )
         raise TypeError(
             f"cannot send {_name(fn)} and its arguments to the worker processes: "
-            f"{type(e).__name__}: {e}. Pass picklable values (tensors, numbers, plain "
-            f"containers), and create locks, files or processes inside the function."
+            f"{type(e).__name__}: {e}. {where}"
         ) from e
 
 

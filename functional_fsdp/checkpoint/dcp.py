@@ -42,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .._tree import NAMESPACE
+from ..distributed.simulate import is_simulated
 from ..optim.records import is_record
 from ..sharded import Sharded
 from . import _atomic
@@ -82,6 +83,18 @@ def _flatten_with_records(
     return keys, leaves, treedef, records
 
 
+def refuse_simulated(where: str) -> None:
+    """Checkpoints need real processes: torch's Distributed Checkpoint runs one per rank."""
+    if is_simulated():
+        raise ValueError(
+            f"{where} on ff.simulated_mesh: torch's Distributed Checkpoint writes and reads "
+            f"with one real process per rank, and a simulation is one process playing every "
+            f"rank. Run the code that checkpoints on real processes: torchrun "
+            f"--nproc-per-node N, or ff.launch(fn, N) from a notebook (a simulated mesh is for "
+            f"layouts, numerics and counts, not for files)."
+        )
+
+
 def save(path: str | os.PathLike[str], tree: Any) -> None:
     """Write ``tree`` (params, a :class:`TrainState`, any pytree) to the directory ``path``.
 
@@ -97,6 +110,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
     Example:
         >>> ff.checkpoint.save("ckpt/step_100", state)  # doctest: +SKIP
     """
+    refuse_simulated("ff.checkpoint.save")
     keys, leaves, _ = _flatten(tree)
     state_dict = {k: v.to_dtensor() if isinstance(v, Sharded) else v for k, v in zip(keys, leaves)}
     _atomic.save_state_dict(path, state_dict)
@@ -131,6 +145,7 @@ def load(path: str | os.PathLike[str], like: Any, *, verify: bool = True) -> Any
     """
     from torch.distributed.tensor import DTensor
 
+    refuse_simulated("ff.checkpoint.load")
     keys, leaves, treedef, records = _flatten_with_records(like)
     if verify:
         path = _atomic.verify(path)

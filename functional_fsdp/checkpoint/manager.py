@@ -28,7 +28,7 @@ from .._tree import tree_map
 from ..distributed import process
 from ..sharded import Sharded
 from . import _atomic
-from .dcp import _flatten
+from .dcp import _flatten, refuse_simulated
 from .dcp import load as _load
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -90,6 +90,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         async_save: bool = False,
     ) -> None:
+        refuse_simulated("CheckpointManager")
         if not isinstance(save_every, int) or save_every < 1:
             raise ValueError(
                 f"CheckpointManager: save_every must be a positive int, got {save_every!r}; "
@@ -173,6 +174,7 @@ class CheckpointManager:
                 ``save``, ``wait`` or ``close`` for a background save).
         """
         self._check_open("save")
+        refuse_simulated("CheckpointManager.save")
         if not (force or self.should_save(step)):
             return False
         self.wait()
@@ -215,6 +217,7 @@ class CheckpointManager:
             ValueError: the checkpoint does not match ``like`` (another model).
         """
         self._check_open("restore")
+        refuse_simulated("CheckpointManager.restore")
         self.wait()
         chosen: int | str | None = step
         if self._rank == 0:

@@ -144,7 +144,9 @@ def _foreign(rank: int, n: int) -> ValueError:
         f"simulation: it was made in another simulation, which has ended. Values live only "
         f"as long as their simulation: keep the mesh alive with `mesh = "
         f"ff.simulated_mesh(..., persistent=True)`, or create and use the values inside one "
-        f"`with ff.simulated_mesh(...) as mesh:` block."
+        f"`with ff.simulated_mesh(...) as mesh:` block. A model (or batch) meant for several "
+        f"simulations must be built before any starts (outside ff.simulated_mesh), so that "
+        f"it holds plain tensors."
     )
 
 

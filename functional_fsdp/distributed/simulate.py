@@ -22,7 +22,7 @@ import functools
 import math
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, overload
 
 import torch
@@ -440,6 +440,36 @@ def on_rank(t: Any, rank: int) -> Any:
     """The value ``t`` has on ``rank``: itself unless it is a simulated per-rank tensor."""
     local_tensors = getattr(t, "_local_tensors", None)
     return local_tensors[rank] if local_tensors is not None else t
+
+
+def check_made_outside(
+    named: Iterable[tuple[str, torch.Tensor]], mesh: DeviceMesh, where: str, what: str
+) -> None:
+    """Refuse tensors that hold one value per rank of another simulation.
+
+    A tensor created while a simulation runs (a model built after
+    ``ff.simulated_mesh(..., persistent=True)``) holds one tensor per simulated rank and
+    belongs to that simulation; another simulation of a different size cannot run it. Tensors
+    made outside any simulation are plain and every simulation (and real process) can use them.
+
+    Example:
+        >>> import torch
+        >>> with simulated_mesh({"dp": 2}) as mesh:
+        ...     check_made_outside([("w", torch.zeros(2))], mesh, "ff.fsdp", "parameter")
+    """
+    world = math.prod(int(s) for s in mesh.shape)
+    for name, t in named:
+        parts = getattr(t, "_local_tensors", None)
+        if parts is None or len(parts) == world:
+            continue
+        raise ValueError(
+            f"{where}: {what} {name!r} (shape {tuple(t.shape)}) holds one tensor per rank of "
+            f"a {len(parts)}-rank simulation: it was created while an earlier "
+            f"ff.simulated_mesh ran, and cannot run on this {world}-rank mesh. Build the model "
+            f"before the simulation starts (outside ff.simulated_mesh: `model = ...` above "
+            f"`mesh = ff.simulated_mesh(..., persistent=True)`); tensors made outside any "
+            f"simulation are plain, and every simulation and real process can use them."
+        )
 
 
 def rank_values(t: torch.Tensor) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._partition import mark_frozen
 from ..distributed.axes import data_axes_of, same_mesh
 from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
-from ..distributed.simulate import is_shapes_only
+from ..distributed.simulate import check_made_outside, is_shapes_only
 from ..formats import storage_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
@@ -351,6 +352,26 @@ class FSDP:
                 )
 
 
+def _check_tp_axis_not_data(
+    wrappers: Sequence[tuple[str, ModuleWrapper]], data_axes: Sequence[str]
+) -> None:
+    """A tensor-parallel axis splits the model, not the batch: it cannot be a data axis.
+
+    ``ff.tensor_parallel`` names its axis ``"tp"`` by default, which the default data axes
+    leave out; a TP axis named otherwise needs ``data_axes=tp.data_axes``.
+    """
+    for path, wrapper in wrappers:
+        axis = getattr(wrapper, "axis", None)
+        if isinstance(axis, str) and axis in data_axes:
+            raise ValueError(
+                f"ff.fsdp: wrappers= holds tensor-parallel styles over mesh axis {axis!r} "
+                f"(module {path!r}), but the data axes {tuple(data_axes)} include it: the "
+                f"batch would be split, and gradients reduced, over the axis that splits the "
+                f"model. Pass data_axes=tp.data_axes (tp = ff.tensor_parallel(...)); only the "
+                f"axis named 'tp' is left out of the default data axes."
+            )
+
+
 def _check_trainable_dtypes(module: nn.Module, names: Collection[str]) -> None:
     """Integer and bool parameters have no gradients: they cannot be trainable."""
     params = dict(module.named_parameters())
@@ -428,6 +449,13 @@ def fsdp(
         )
     check_mesh(mesh, "ff.fsdp(module, mesh)")
     data_axes = data_axes_of(mesh, data_axes, "ff.fsdp")
+    _check_tp_axis_not_data(wrappers, data_axes)
+    check_made_outside(
+        itertools.chain(module.named_parameters(), module.named_buffers()),
+        mesh,
+        "ff.fsdp(module, mesh)",
+        "the module's tensor",
+    )
     # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/).
     module = storage_view(module, wrappers)
     if trainable is not None:
