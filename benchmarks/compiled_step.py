@@ -92,6 +92,11 @@ def main() -> None:
     parser.add_argument(
         "--where", action="store_true", help="list the tensors live at each system's peak"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="record the figures in benchmarks/results/compiled_step.json (for plot_results.py)",
+    )
     args = parser.parse_args()
 
     device = ff.init_distributed()  # cuda:LOCAL_RANK with NCCL where there is a GPU
@@ -233,6 +238,20 @@ def _report(
         f"{_where()}); batch {args.batch}×{args.seq} per rank; "
         f"AdamW with clipping; median of {args.steps} steps, taken in rotation.\n"
     )
+    if args.json:
+        from _results import record
+
+        systems = {
+            n: {
+                "time_ratio": round(med[n] / med["ff eager"], 3),
+                "median_ms": round(med[n], 1),
+                "tensor_peak_mib": round(tensors[n].added_mib, 2),
+                "resident_mib": round(peak[n], 1),
+            }
+            for n in names
+        }
+        figures = {"width": cfg.n_embd, "param_mib": round(psi / 2**20, 1), "systems": systems}
+        record("compiled_step", f"width={cfg.n_embd}", figures, nproc=world)
     print(_markdown(rows))
     print(
         f"\nff.jit's first call: trace {compiled.trace_seconds:.1f} s, inductor "

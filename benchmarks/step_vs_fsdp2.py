@@ -151,6 +151,11 @@ def main() -> None:
     parser.add_argument(
         "--where", action="store_true", help="list the tensors live at each system's peak"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="record the figures in benchmarks/results/step_vs_fsdp2.json (for plot_results.py)",
+    )
     args = parser.parse_args()
 
     ff.init_distributed()
@@ -329,6 +334,20 @@ def _report(
         f"{torch.get_num_threads()} thread each); batch {args.batch}×{args.seq} per rank; "
         f"median of {args.steps} steps, taken in rotation.\n"
     )
+    if args.json:
+        from _results import record
+
+        systems = {
+            n: {
+                "time_ratio": round(med[n] / med["torch FSDP2"], 3),
+                "median_ms": round(med[n], 1),
+                "tensor_peak_mib": round(tensors[n].added_mib, 2),
+                "resident_peak_mib": round(peak[n], 1),
+            }
+            for n in names
+        }
+        figures = {"width": cfg.n_embd, "param_mib": round(psi / 2**20, 1), "systems": systems}
+        record("step_vs_fsdp2", f"width={cfg.n_embd}", figures, nproc=world)
     print(_markdown(rows))
     print(
         f"\nBytes are those a rank sends in a ring algorithm. Full sharding expects "

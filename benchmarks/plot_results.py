@@ -1,0 +1,343 @@
+"""Turn the benchmarks' figures (``benchmarks/results/*.json``) into docs/results.md's plots
+and tables.
+
+Each benchmark's block of ``docs/results.md`` sits between
+``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->`` and is rewritten from
+``benchmarks/results/NAME.json``: where every figure comes from (command, commit, date,
+machine), its table, and its plot (``docs/images/NAME.png``). The prose between the blocks
+is the page's own. ``tests/test_results_page.py`` checks that the page is what this script
+writes.
+
+    python benchmarks/plot_results.py           # rewrite docs/results.md and docs/images/
+    python benchmarks/plot_results.py --check   # exit 1 if the page differs from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "results.md"
+IMAGES = ROOT / "docs" / "images"
+BLOCK = re.compile(r"<!-- generated: (\w+) -->\n.*?<!-- end generated: \1 -->", re.S)
+
+# One colour per system, the same in every plot.
+COLOURS = {
+    "ff eager": "#1f77b4",
+    "torch.func": "#1f77b4",
+    "ff.jit": "#2ca02c",
+    "autograd": "#17becf",
+    "train_step(donate=True)": "#9467bd",
+    "FSDP2 eager": "#d62728",
+    "torch FSDP2": "#d62728",
+    "FSDP2 + compile per block": "#ff7f0e",
+    "local eager": "#7f7f7f",
+    "local compiled": "#bcbd22",
+}
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _num(x: Any, digits: int) -> str:
+    return f"{x:,.{digits}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _table(header: list[str], rows: list[list[str]], align: str = "") -> str:
+    align = align or ":--" + "|--:" * (len(header) - 1)
+    out = ["| " + " | ".join(header) + " |", "|" + align + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _source(run: dict[str, Any]) -> str:
+    return (
+        f"`{run['command']}` at {run['commit']}, {run['date']}, on {run['machine']} "
+        f"({run['source']})."
+    )
+
+
+def _sources(data: dict[str, Any]) -> str:
+    runs = data["runs"]
+    if len({(r["commit"], r["date"], r["machine"], r["source"]) for r in runs}) == 1:
+        commands = ", ".join(f"`{r['command']}`" for r in runs)
+        r = runs[0]
+        return (
+            f"*{data['description']}*\n\nMeasured with {commands} at {r['commit']}, "
+            f"{r['date']}, on {r['machine']} ({r['source']})."
+        )
+    return f"*{data['description']}*\n\n" + "\n".join(f"- {_source(r)}" for r in runs)
+
+
+def _image(name: str, alt: str) -> str:
+    return f"![{alt}](images/{name}.png)"
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def step_vs_fsdp2(data: dict[str, Any]) -> str:
+    names = ["torch.func", "autograd", "train_step(donate=True)", "torch FSDP2"]
+    rows = []
+    for run in data["runs"]:
+        f, s = run["figures"], run["figures"]["systems"]
+        ref = s["torch FSDP2"]
+        time = [f"{s[n]['time_ratio']:.3f}" for n in names]
+        time[-1] += f" ({ref['median_ms']} ms)"
+        rows.append([f"{f['width']} ({f['param_mib']} MiB)", "step time / torch FSDP2", *time])
+        rows.append(
+            [
+                "",
+                "tensor peak, MiB (/ FSDP2)",
+                *(
+                    f"{s[n]['tensor_peak_mib']:.2f}"
+                    + (
+                        f" ({s[n]['tensor_peak_mib'] / ref['tensor_peak_mib']:.3f})"
+                        if n != "torch FSDP2"
+                        else ""
+                    )
+                    for n in names
+                ),
+            ]
+        )
+        rows.append(["", "resident peak, MiB", *(f"{s[n]['resident_peak_mib']}" for n in names)])
+    header = ["width (fp32 Ψ)", "per rank, per step", "torch.func", "autograd"]
+    header += ["`train_step(donate=True)`", "torch FSDP2"]
+    table = _table(header, rows, ":--|:--" + "|--:" * 4)
+    return "\n\n".join(
+        [
+            _image("step_vs_fsdp2", "step time and tensor memory against torch FSDP2"),
+            _sources(data),
+            table,
+        ]
+    )
+
+
+def plot_step_vs_fsdp2(data: dict[str, Any], plt: Any) -> Any:
+    names = ["torch.func", "autograd", "train_step(donate=True)", "torch FSDP2"]
+    sizes = [r["figures"]["param_mib"] for r in data["runs"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for n in names:
+        s = [r["figures"]["systems"] for r in data["runs"]]
+        style = dict(marker="o", label=n, color=COLOURS[n])
+        a.plot(sizes, [x[n]["time_ratio"] for x in s], **style)
+        b.plot(
+            sizes,
+            [x[n]["tensor_peak_mib"] / x["torch FSDP2"]["tensor_peak_mib"] for x in s],
+            **style,
+        )
+    a.set(title="step time / torch FSDP2", xlabel="fp32 parameters (MiB)", xscale="log")
+    b.set(title="tensor peak a step adds / FSDP2", xlabel="fp32 parameters (MiB)", xscale="log")
+    a.legend(fontsize=8)
+    return fig
+
+
+def compiled_step(data: dict[str, Any]) -> str:
+    time = ["ff.jit", "FSDP2 eager", "FSDP2 + compile per block", "local eager"]
+    time += ["local compiled"]
+    mem = ["ff eager", "ff.jit", "FSDP2 eager", "FSDP2 + compile per block"]
+    rows = []
+    for run in data["runs"]:
+        f, s = run["figures"], run["figures"]["systems"]
+        cells = [f"{s[n]['time_ratio']:.3f}" for n in time]
+        for other in f.get("other_runs", []):
+            cells = [
+                f"{c}, {other['time_ratio'][n]:.3f}" for c, n in zip(cells, time, strict=True)
+            ]
+        tensors = " / ".join(f"{s[n]['tensor_peak_mib']:.2f}" for n in mem)
+        resident = " / ".join(f"{s[n]['resident_mib']}" for n in mem)
+        for other in f.get("other_runs", []):
+            resident += "; " + " / ".join(f"{other['resident_mib'][n]}" for n in mem)
+        label = f"{f['width']} ({f['param_mib']} MiB)"
+        if f.get("other_runs"):
+            label += ", the example's"
+            cells[0] += f" ({1 + len(f['other_runs'])} runs)"
+        rows.append([label, *cells, tensors, resident])
+    header = ["width (fp32 parameters)", "`ff.jit`", "FSDP2 eager", "FSDP2 + compile per block"]
+    header += ["local eager", "local compiled"]
+    header += ["tensors: ff eager / `ff.jit` / FSDP2 / FSDP2 + compile", "resident, same order"]
+    return "\n\n".join(
+        [
+            _image("compiled_step", "step time relative to this library's eager step"),
+            _sources(data),
+            _table(header, rows, "---" + "|---" * 7),
+        ]
+    )
+
+
+def plot_compiled_step(data: dict[str, Any], plt: Any) -> Any:
+    names = ["ff eager", "ff.jit", "FSDP2 eager", "FSDP2 + compile per block"]
+    names += ["local eager", "local compiled"]
+    sizes = [r["figures"]["param_mib"] for r in data["runs"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for n in names:
+        s = [r["figures"]["systems"][n] for r in data["runs"]]
+        style = dict(marker="o", label=n, color=COLOURS[n])
+        a.plot(sizes, [x["time_ratio"] for x in s], **style)
+        if "tensor_peak_mib" in s[0]:
+            fsdp2 = [r["figures"]["systems"]["FSDP2 eager"] for r in data["runs"]]
+            ratio = [x["tensor_peak_mib"] / f["tensor_peak_mib"] for x, f in zip(s, fsdp2)]
+            b.plot(sizes, ratio, **style)
+    a.set(title="step time / this library's eager step", xlabel="fp32 parameters (MiB)")
+    b.set(title="tensor memory a step adds / FSDP2 eager", xlabel="fp32 parameters (MiB)")
+    for ax in (a, b):
+        ax.set_xscale("log")
+    a.legend(fontsize=8)
+    return fig
+
+
+def zero_vs_ddp(data: dict[str, Any]) -> str:
+    (run,) = data["runs"]
+    s = run["figures"]["systems"]
+    other = run["figures"]["other_runs"][0]
+    rows = [
+        [n, f"{v['time_ratio']:.3f}" + (f", {other[n]:.3f}" if n in other else "")]
+        for n, v in s.items()
+    ]
+    return "\n\n".join([_sources(data), _table(["system", "step time / DDP (train_step)"], rows)])
+
+
+def step_2d_vs_fsdp2_tp(data: dict[str, Any]) -> str:
+    (run,) = data["runs"]
+    s = run["figures"]["systems"]
+    names = list(s)
+    ref = s[names[-1]]["median_ms"]
+    rows = [
+        ["median step", *(f"{s[n]['median_ms']} ms" for n in names)],
+        ["ratio", *(f"{s[n]['median_ms'] / ref:.3f}".rstrip("0").rstrip(".") for n in names)],
+    ]
+    for kind in s[names[0]]["comms"]:
+        rows.append(
+            [
+                kind + (" (count)" if kind == "all-gather dp" else ""),
+                *(
+                    f"{s[n]['comms'][kind][0]:,} B ({s[n]['comms'][kind][1]})"
+                    if s[n]["comms"][kind][0]
+                    else "0"
+                    for n in names
+                ),
+            ]
+        )
+    return "\n\n".join([_sources(data), _table(["", *names], rows, "---" + "|---" * 2)])
+
+
+def _phases(data: dict[str, Any], digits: int, first: str = "phase") -> str:
+    out = [_sources(data)]
+    for run in data["runs"]:
+        f = run["figures"]
+        if "model" in f:
+            out.append(f"**{f['model']}** (`{run['command']}`):")
+        rows = [[k, *(_num(v, digits) for v in vals)] for k, vals in f["rows"].items()]
+        out.append(_table([first, *f["columns"]], rows, "---" + "|--:" * len(f["columns"])))
+        for other in f.get("other_runs", []):
+            for k, vals in other.items():
+                out.append(f"Another run, {k}: " + ", ".join(_num(v, digits) for v in vals) + ".")
+    return "\n\n".join(out)
+
+
+def lifecycle_memory(data: dict[str, Any]) -> str:
+    return _image("lifecycle_memory", "peak memory per phase, MiB") + "\n\n" + _phases(data, 0)
+
+
+def plot_phases(data: dict[str, Any], plt: Any, run: int = 0, skip: tuple[str, ...] = ()) -> Any:
+    f = data["runs"][run]["figures"]
+    phases = [k for k in f["rows"] if k not in skip]
+    columns = f["columns"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.8 / len(columns)
+    for i, c in enumerate(columns):
+        values = [f["rows"][p][i] for p in phases]
+        xs = [j + i * width for j, v in enumerate(values) if isinstance(v, (int, float)) and v]
+        ys = [v for v in values if isinstance(v, (int, float)) and v]
+        ax.bar(xs, ys, width, label=c.strip("`"))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))])
+    ax.set_xticklabels([p.split(" (")[0] for p in phases], rotation=15, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def qlora_memory(data: dict[str, Any]) -> str:
+    return _image("qlora_memory", "QLoRA memory per phase, MiB") + "\n\n" + _phases(data, 1)
+
+
+def checkpoint_cost(data: dict[str, Any]) -> str:
+    return _phases(data, 1, "per rank, per step")
+
+
+PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "step_vs_fsdp2": step_vs_fsdp2,
+    "compiled_step": compiled_step,
+    "zero_vs_ddp": zero_vs_ddp,
+    "step_2d_vs_fsdp2_tp": step_2d_vs_fsdp2_tp,
+    "lifecycle_memory": lifecycle_memory,
+    "qlora_memory": qlora_memory,
+    "checkpoint_cost": checkpoint_cost,
+}
+PLOTS: dict[str, Callable[[Any], Any]] = {
+    "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
+    "compiled_step": lambda plt: plot_compiled_step(load("compiled_step"), plt),
+    "lifecycle_memory": lambda plt: plot_phases(load("lifecycle_memory"), plt),
+    "qlora_memory": lambda plt: plot_phases(
+        load("qlora_memory"), plt, skip=("step seconds",)
+    ),
+}
+
+
+def render_page(text: str) -> str:
+    """``text`` with every generated block rewritten from the JSON."""
+
+    def block(m: re.Match[str]) -> str:
+        name = m.group(1)
+        return f"<!-- generated: {name} -->\n{PAGES[name](load(name))}\n<!-- end generated: {name} -->"
+
+    return BLOCK.sub(block, text)
+
+
+def draw(directory: Path) -> list[Path]:
+    """Write every plot as ``directory/NAME.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, plot in PLOTS.items():
+        fig = plot(plt)
+        fig.tight_layout()
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, write nothing")
+    args = parser.parse_args()
+    text = PAGE.read_text()
+    new = render_page(text)
+    if args.check:
+        if new != text:
+            sys.exit("docs/results.md differs from benchmarks/results/*.json: run plot_results.py")
+        return
+    PAGE.write_text(new)
+    for path in draw(IMAGES):
+        print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
