@@ -149,9 +149,7 @@ def compiled_step(data: dict[str, Any]) -> str:
         f, s = run["figures"], run["figures"]["systems"]
         cells = [f"{s[n]['time_ratio']:.3f}" for n in time]
         for other in f.get("other_runs", []):
-            cells = [
-                f"{c}, {other['time_ratio'][n]:.3f}" for c, n in zip(cells, time, strict=True)
-            ]
+            cells = [f"{c}, {other['time_ratio'][n]:.3f}" for c, n in zip(cells, time, strict=True)]
         tensors = " / ".join(f"{s[n]['tensor_peak_mib']:.2f}" for n in mem)
         resident = " / ".join(f"{s[n]['resident_mib']}" for n in mem)
         for other in f.get("other_runs", []):
@@ -287,9 +285,7 @@ PLOTS: dict[str, Callable[[Any], Any]] = {
     "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
     "compiled_step": lambda plt: plot_compiled_step(load("compiled_step"), plt),
     "lifecycle_memory": lambda plt: plot_phases(load("lifecycle_memory"), plt),
-    "qlora_memory": lambda plt: plot_phases(
-        load("qlora_memory"), plt, skip=("step seconds",)
-    ),
+    "qlora_memory": lambda plt: plot_phases(load("qlora_memory"), plt, skip=("step seconds",)),
 }
 
 
@@ -298,12 +294,14 @@ def render_page(text: str) -> str:
 
     def block(m: re.Match[str]) -> str:
         name = m.group(1)
-        return f"<!-- generated: {name} -->\n{PAGES[name](load(name))}\n<!-- end generated: {name} -->"
+        return (
+            f"<!-- generated: {name} -->\n{PAGES[name](load(name))}\n<!-- end generated: {name} -->"
+        )
 
     return BLOCK.sub(block, text)
 
 
-def draw(directory: Path) -> list[Path]:
+def draw(directory: Path, dpi: int = 110) -> list[Path]:
     """Write every plot as ``directory/NAME.png``."""
     import matplotlib
 
@@ -317,7 +315,7 @@ def draw(directory: Path) -> list[Path]:
         fig = plot(plt)
         fig.tight_layout()
         path = directory / f"{name}.png"
-        fig.savefig(path, dpi=110, metadata={"Software": None})
+        fig.savefig(path, dpi=dpi, metadata={"Software": None})
         plt.close(fig)
         paths.append(path)
     return paths

@@ -6,7 +6,7 @@ and torch FSDP2's run in the same processes on the same model, batch and mesh, i
 step by step (each in every position) so that machine noise hits them alike. With ``--zero``
 the rotation also holds ``ff.train_step`` with replicated parameters as DDP, ZeRO-1 and ZeRO-2
 (optimizer state sharded, gradients reduce-scattered, parameters all-gathered) and torch's
-``DistributedDataParallel``. Prints, as a Markdown table ready for the README: the median step
+``DistributedDataParallel``. Prints, as a Markdown table (``--json``: into benchmarks/results/): the median step
 time and the ratios, the collectives and bytes each rank sends per step, and the peak memory
 a step adds on top of the resting process (the median of ``--memory-steps`` steps, and their
 range), and the peak of tensor memory a step adds (``ff.tensor_peak``: exact, the figure a

@@ -18,7 +18,7 @@ from functional_fsdp.launcher import ProcessPool
 _POOLS: dict[int, ProcessPool] = {}
 
 # How many tests the whole suite has, when this run collected all of it (README.md states the
-# number; tests/test_readme.py compares).
+# number; tests/test_docs.py compares).
 SUITE_SIZE = pytest.StashKey[int]()
 
 

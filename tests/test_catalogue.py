@@ -43,17 +43,17 @@ def test_the_catalogue_has_at_least_30_distinct_cases():
     assert sum(c.real for c in W.CASES) >= 15
 
 
-def test_the_readme_counts_the_catalogue():
-    # README.md's "Bad input" says how many cases there are and where they run: the same
-    # four numbers as the catalogue (a new case changes them; update the README with it).
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_docs_count_the_catalogue():
+    # docs/guides/checkpoints.md's "Bad input" says how many cases there are and where they
+    # run: the same four numbers as the catalogue (a new case changes them; update the page).
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "checkpoints.md").read_text()
     found = re.search(
         r"`tests/test_catalogue\.py` checks (\d+) cases \(.*?\): (\d+) in-process,\s+"
         r"(\d+) of them again on 2 gloo processes, and (\d+) only there",
-        readme,
+        page,
         re.S,
     )
-    assert found, "README.md no longer says how many cases the catalogue has"
+    assert found, "docs/guides/checkpoints.md no longer says how many cases the catalogue has"
     in_process = [c for c in W.CASES if c.where != "real"]
     counts = (
         len(W.CASES),
@@ -62,8 +62,8 @@ def test_the_readme_counts_the_catalogue():
         sum(c.where == "real" for c in W.CASES),
     )
     assert tuple(map(int, found.groups())) == counts, (
-        "README.md's catalogue counts (cases, in-process, of them again on gloo, gloo only) "
-        f"are {found.groups()}, the catalogue's {counts}"
+        "docs/guides/checkpoints.md's catalogue counts (cases, in-process, of them again on "
+        f"gloo, gloo only) are {found.groups()}, the catalogue's {counts}"
     )
 
 

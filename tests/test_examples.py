@@ -59,13 +59,13 @@ def test_train_gpt_loss_falls(extra):
     assert "sample:" in out
 
 
-# --------------------------------------------------------------------------- the README's figures
+# --------------------------------------------------------------------------- the docs' figures
 
 
-def _readme_training_example() -> tuple[re.Match, str]:
-    """README.md's paragraph on the training example (its defaults and losses), and the
+def _docs_training_example() -> tuple[re.Match, str]:
+    """docs/results.md's paragraph on the training example (its defaults and losses), and the
     sample text it quotes."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "results.md").read_text()
     found = re.search(
         r"\*\*Training example\*\* \(`torchrun --nproc-per-node 2 examples/train_gpt\.py`, "
         r"the defaults: (\d+) steps,\s+(\d+) layers, width (\d+), global batch (\d+)×(\d+),"
@@ -74,13 +74,13 @@ def _readme_training_example() -> tuple[re.Match, str]:
         readme,
         re.S,
     )
-    assert found, "README.md's training example paragraph has changed its form"
+    assert found, "docs/results.md's training example paragraph has changed its form"
     return found, found.group(9)
 
 
-def test_the_readme_states_the_training_examples_defaults(monkeypatch):
-    # The figures and the sample the README quotes are those of the example's defaults.
-    found, _ = _readme_training_example()
+def test_the_docs_state_the_training_examples_defaults(monkeypatch):
+    # The figures and the sample the results page quotes are those of the example's defaults.
+    found, _ = _docs_training_example()
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     monkeypatch.setattr(sys, "argv", ["train_gpt.py"])
     spec = importlib.util.spec_from_file_location("_train_gpt", ROOT / "examples" / "train_gpt.py")
@@ -93,11 +93,11 @@ def test_the_readme_states_the_training_examples_defaults(monkeypatch):
 
 @pytest.mark.skipif(
     not os.environ.get("FF_README_EXAMPLE"),
-    reason="runs the README's first example in full (600 steps: about 1 min on an idle "
+    reason="runs the README's first command's example in full (600 steps: about 1 min on an idle "
     "2-core machine, 3 min under load); set FF_README_EXAMPLE=1",
 )
-def test_the_readme_quotes_what_the_training_example_prints():
-    found, quoted = _readme_training_example()
+def test_the_docs_quote_what_the_training_example_prints():
+    found, quoted = _docs_training_example()
     out = _torchrun("examples/train_gpt.py")
     losses = re.search(r"loss: first ([\d.]+), last ([\d.]+) \(mean of last 10: ([\d.]+)\)", out)
     assert losses, out

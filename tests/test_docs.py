@@ -1,11 +1,13 @@
-"""The docs: every ```python block of README.md runs as written and computes the right
-numbers, and the API reference (docs/api/, built by ``mkdocs build --strict`` in CI) covers
-every public name.
+"""The docs: every code block of the documentation site (``docs/**/*.md``) runs in CI as
+written and computes the right numbers, or says why it cannot; the README's one screen is the
+getting-started page's; and the API reference (docs/api/, built by ``mkdocs build --strict``
+in CI) covers every public name.
 
-A block preceded by ``<!-- requires: torchrun --nproc-per-node N -->`` runs on N real gloo
-processes (the session's worker pool, as torchrun would run it: each rank executes the whole
-block); any other block runs in this process. Each block is then checked against a
-single-process reference (see ``tests/_readme_workers.py``).
+A ```python block preceded by ``<!-- requires: torchrun --nproc-per-node N -->`` runs on N
+real gloo processes (the session's worker pool, as torchrun would run it: each rank executes
+the whole block); any other python block runs in this process. Blocks with a check (below)
+are then compared with a single-process reference (see ``tests/_docs_workers.py``). Any other
+block (shell commands, printed output) carries ``<!-- not run: why -->`` on the line above it.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ import torch
 
 import functional_fsdp as ff
 
-from . import _readme_workers as W
+from . import _docs_workers as W
 from .conftest import SUITE_SIZE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
-# The check for each block, by the heading it sits under (None: it only has to run).
+# The check for each block, by its page and the heading it sits under (None: it only has to
+# run).
 CHECKED = {
-    "In one screen": "one_screen",
-    "Hugging Face models, LoRA, and models bigger than one rank": "lora",
-    "2D: FSDP + tensor parallelism": "2d",
-    "A compiled step: `ff.jit`": "jit",
+    ("getting-started.md", "In one screen"): "one_screen",
+    ("guides/fine-tuning.md", "Fine-tuning: LoRA, QLoRA and supervised fine-tuning"): "lora",
+    ("guides/tp-2d.md", "FSDP + TP in one screen"): "2d",
+    ("guides/compiled-step.md", "The compiled step: `ff.jit`"): "jit",
 }
 
 
@@ -41,10 +45,12 @@ class Block(NamedTuple):
     line: int  # of the opening fence, 1-based
     source: str
     nproc: int | None  # None: runs in this process
+    lang: str = "python"
+    not_run: str | None = None  # why it cannot run
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The ```python blocks of a markdown text, with the process count they ask for."""
+def code_blocks(text: str, name: str = "page") -> list[Block]:
+    """The fenced code blocks of a markdown text, with the process count they ask for."""
     blocks, heading, lines = [], "", text.splitlines()
     i = 0
     while i < len(lines):
@@ -55,50 +61,67 @@ def readme_blocks(text: str) -> list[Block]:
         if fence:
             indent, lang = fence.groups()
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            if lang == "python":
-                marker = lines[i - 1].strip() if i else ""
-                nproc = None
-                if marker.startswith("<!--"):
-                    found = re.fullmatch(
-                        r"<!-- requires: torchrun --nproc-per-node (\d+) -->", marker
-                    )
-                    if not found:
-                        raise ValueError(f"README.md:{i}: unknown marker {marker!r}")
-                    nproc = int(found.group(1))
-                body = [s[len(indent) :] for s in lines[i + 1 : end]]
-                blocks.append(Block(heading, i + 1, "\n".join(body) + "\n", nproc))
+            marker = lines[i - 1].strip() if i else ""
+            nproc, not_run = None, None
+            if marker.startswith("<!--"):
+                found = re.fullmatch(r"<!-- requires: torchrun --nproc-per-node (\d+) -->", marker)
+                why = re.fullmatch(r"<!-- not run: (.+?) -->", marker)
+                if not (found or why):
+                    raise ValueError(f"{name}:{i}: unknown marker {marker!r}")
+                nproc = int(found.group(1)) if found else None
+                not_run = why.group(1) if why else None
+            body = [s[len(indent) :] for s in lines[i + 1 : end]]
+            blocks.append(Block(heading, i + 1, "\n".join(body) + "\n", nproc, lang, not_run))
             i = end
         i += 1
     return blocks
 
 
+PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+ALL = [(page, b) for page in PAGES for b in code_blocks((DOCS / page).read_text(), page)]
+BLOCKS = [(page, b) for page, b in ALL if b.lang == "python" and b.not_run is None]
 README_TEXT = README.read_text()
-BLOCKS = readme_blocks(README_TEXT)
 
 
 def test_the_parser_finds_blocks_and_markers():
-    text = "# A\n```python\nx = 1\n```\n## B\n<!-- requires: torchrun --nproc-per-node 4 -->\n```python\ny = 2\n```\n```bash\nls\n```\n"
-    assert readme_blocks(text) == [
+    text = (
+        "# A\n```python\nx = 1\n```\n## B\n<!-- requires: torchrun --nproc-per-node 4 -->\n"
+        "```python\ny = 2\n```\n<!-- not run: a GPU -->\n```bash\nls\n```\n"
+    )
+    assert code_blocks(text) == [
         Block("A", 2, "x = 1\n", None),
         Block("B", 7, "y = 2\n", 4),
+        Block("B", 11, "ls\n", None, "bash", "a GPU"),
     ]
     with pytest.raises(ValueError, match="unknown marker"):
-        readme_blocks("<!-- requires: mpirun -->\n```python\npass\n```\n")
+        code_blocks("<!-- requires: mpirun -->\n```python\npass\n```\n")
 
 
-def test_every_block_that_needs_processes_says_so_and_has_a_check():
-    assert BLOCKS, "README.md has no python blocks"
-    for block in BLOCKS:
-        if "make_mesh" in block.source:
-            assert block.nproc, f"README.md:{block.line} needs a requires: torchrun marker"
-    assert {b.heading for b in BLOCKS} >= set(CHECKED)
+def test_every_block_runs_or_says_why_not():
+    assert len(PAGES) >= 10 and len(BLOCKS) >= 8
+    silent = [
+        f"docs/{page}:{b.line} ({b.lang or 'no language'})"
+        for page, b in ALL
+        if b.lang != "python" and b.not_run is None
+    ]
+    assert not silent, f"code blocks that neither run nor say why: {silent}"
+    for page, b in BLOCKS:
+        if "make_mesh" in b.source:
+            assert b.nproc, f"docs/{page}:{b.line} needs a requires: torchrun marker"
+    assert {(page, b.heading) for page, b in BLOCKS} >= set(CHECKED)
+
+
+def test_the_readme_shows_the_getting_started_pages_one_screen():
+    (readme,) = [b for b in code_blocks(README_TEXT, "README.md") if b.lang == "python"]
+    (page,) = [b for p, b in BLOCKS if CHECKED.get((p, b.heading)) == "one_screen"]
+    assert readme.source == page.source and readme.nproc == page.nproc
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
-def test_readme_block_runs(block, pools, tmp_path):
-    filename = f"README.md:{block.line}"
-    check = CHECKED.get(block.heading)
+@pytest.mark.parametrize("page,block", BLOCKS, ids=[f"{p}:{b.line}" for p, b in BLOCKS])
+def test_docs_block_runs(page, block, pools, tmp_path):
+    filename = f"docs/{page}:{block.line}"
+    check = CHECKED.get((page, block.heading))
     if block.nproc is None:
         W.run_block(block.source, filename, check, str(tmp_path))
         return
@@ -112,10 +135,10 @@ def test_readme_block_runs(block, pools, tmp_path):
 def test_the_one_screen_in_a_notebook_is_right_on_every_simulated_rank():
     # The same block, with the mesh line its comment gives for a notebook: every simulated
     # rank's gradients equal one process's on the global batch (under torchrun:
-    # test_readme_block_runs). Its old last lines (batch.chunk(2)[dist.get_rank()]) took
+    # test_docs_block_runs). Its old last lines (batch.chunk(2)[dist.get_rank()]) took
     # rank 0's half on every simulated rank; asking torch for the rank there now raises.
-    (block,) = [b for b in BLOCKS if b.heading == "In one screen"]
-    print(W.run_one_screen_simulated(block.source, f"README.md:{block.line}"))
+    (block,) = [b for p, b in BLOCKS if CHECKED.get((p, b.heading)) == "one_screen"]
+    print(W.run_one_screen_simulated(block.source, f"docs/getting-started.md:{block.line}"))
     old = "local_batch = global_batch.chunk(2)[torch.distributed.get_rank()]"
     with (
         ff.simulated_mesh({"dp": 2}),

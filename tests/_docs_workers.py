@@ -1,4 +1,4 @@
-"""Worker side of the README tests: run one README block on a rank, then check its results.
+"""Worker side of the docs tests: run one code block of the docs on a rank, then check it.
 
 A block runs as a fresh ``torchrun`` process would run it: in its own ``__main__`` namespace,
 with a random seed that differs per rank (so a block that forgets to seed shows it), in a
@@ -41,7 +41,7 @@ def execute(source: str, filename: str, cwd: str | None = None) -> dict[str, Any
 
 
 def run_block(source: str, filename: str, check: str | None, cwd: str) -> Any:
-    """Run a README block on this rank, then the named check on its namespace."""
+    """Run a docs block on this rank, then the named check on its namespace."""
     namespace = execute(source, filename, cwd)
     if check is None:
         return None
