@@ -187,18 +187,20 @@ def test_a_skipped_collective_fails_after_the_collective_timeout():
 
 
 @pytest.mark.timeout(120)
-def test_a_function_the_workers_cannot_import_names_the_fix(monkeypatch):
+def test_a_function_the_workers_cannot_import_names_the_fix(monkeypatch, pools):
     # A module only the caller has (e.g. made at run time): pickled by reference, so the
-    # workers must import it, and cannot.
+    # workers must import it, and cannot. A worker that cannot load a function keeps serving,
+    # so the session's pool does (no process of its own to start).
     module = types.ModuleType("made_in_the_caller_only")
     exec("def compute():\n    return 1\n", module.__dict__)
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    with pytest.raises(WorkerError) as info, ProcessPool(1, device_type="cpu") as pool:
-        pool.run(module.compute)
+    with pytest.raises(WorkerError) as info:
+        pools.run(1, module.compute)
     message = str(info.value)
     assert "compute failed: rank 0 could not load the function." in message
     assert "ModuleNotFoundError: No module named 'made_in_the_caller_only'" in message
     assert "Put it in a module on sys.path or PYTHONPATH" in message
+    assert pools.run(1, _noop) == [None]  # the pool still serves
 
 
 @pytest.mark.timeout(120)
