@@ -117,6 +117,15 @@ def test_the_readme_shows_the_getting_started_pages_one_screen():
     assert readme.source == page.source and readme.nproc == page.nproc
 
 
+def test_the_readmes_links_resolve():
+    # mkdocs build --strict checks the site's links; the README is not part of the site.
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README_TEXT)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to {missing}, which do not exist"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("page,block", BLOCKS, ids=[f"{p}:{b.line}" for p, b in BLOCKS])
 def test_docs_block_runs(page, block, pools, tmp_path):
