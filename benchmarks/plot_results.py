@@ -43,6 +43,14 @@ COLOURS = {
 }
 
 
+def _size_axis(ax: Any, sizes: list[float]) -> None:
+    """A log axis of model sizes, labelled at the sizes measured."""
+    ax.set_xscale("log")
+    ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("fp32 parameters (MiB)")
+
+
 def load(name: str) -> dict[str, Any]:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
@@ -134,8 +142,10 @@ def plot_step_vs_fsdp2(data: dict[str, Any], plt: Any) -> Any:
             [x[n]["tensor_peak_mib"] / x["torch FSDP2"]["tensor_peak_mib"] for x in s],
             **style,
         )
-    a.set(title="step time / torch FSDP2", xlabel="fp32 parameters (MiB)", xscale="log")
-    b.set(title="tensor peak a step adds / FSDP2", xlabel="fp32 parameters (MiB)", xscale="log")
+    a.set(title="step time / torch FSDP2")
+    b.set(title="tensor peak a step adds / FSDP2")
+    for ax in (a, b):
+        _size_axis(ax, sizes)
     a.legend(fontsize=8)
     return fig
 
@@ -184,10 +194,10 @@ def plot_compiled_step(data: dict[str, Any], plt: Any) -> Any:
             fsdp2 = [r["figures"]["systems"]["FSDP2 eager"] for r in data["runs"]]
             ratio = [x["tensor_peak_mib"] / f["tensor_peak_mib"] for x, f in zip(s, fsdp2)]
             b.plot(sizes, ratio, **style)
-    a.set(title="step time / this library's eager step", xlabel="fp32 parameters (MiB)")
-    b.set(title="tensor memory a step adds / FSDP2 eager", xlabel="fp32 parameters (MiB)")
+    a.set(title="step time / this library's eager step")
+    b.set(title="tensor memory a step adds / FSDP2 eager")
     for ax in (a, b):
-        ax.set_xscale("log")
+        _size_axis(ax, sizes)
     a.legend(fontsize=8)
     return fig
 
