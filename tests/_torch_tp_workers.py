@@ -232,3 +232,116 @@ def compare(sequence_parallel: bool, loss_parallel: bool, steps: int = 5) -> dic
             (mine["params"][k] - v.detach()).abs().max().item() for k, v in other["params"].items()
         )
     return out
+
+
+# --------------------------------------------------------------------------- every style
+
+
+class Inner(torch.nn.Module):
+    """A block whose input comes by keyword (``inner(h=x)``)."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.proj1 = torch.nn.Linear(d, hidden)
+        self.proj2 = torch.nn.Linear(hidden, d)
+
+    def forward(self, *, h: torch.Tensor) -> torch.Tensor:
+        return self.proj2(torch.tanh(self.proj1(h)))
+
+
+class Pool(torch.nn.Module):
+    """No parameters: replicated compute on a gathered input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x.mean(dim=1, keepdim=True))
+
+
+class Toy(torch.nn.Module):
+    """One module per kind of torch style and layout change."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, hidden: int = 24) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.up = torch.nn.Linear(d, hidden)
+        self.down = torch.nn.Linear(hidden, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.inner = Inner(d, hidden)
+        self.norm2 = torch.nn.LayerNorm(d)
+        self.pool = Pool()
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.up(self.emb(ids)))
+        x = self.norm(self.down(x))  # sequence-split from here
+        x = self.norm2(x + self.inner(h=x))
+        return self.head(self.pool(x))  # gathered again
+
+
+def toy_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return {
+        "emb": ColwiseParallel(output_layouts=Replicate()),  # the embedding dim split
+        "up": ColwiseParallel(output_layouts=Replicate()),
+        "down": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(use_local_output=True),
+        "inner": {
+            "": PrepareModuleInputOutput(
+                input_kwarg_layouts={"h": Shard(1)},
+                desired_input_kwarg_layouts={"h": Replicate()},
+                output_layouts=Replicate(),
+                desired_output_layouts=Shard(1),
+            ),
+            "proj1": ColwiseParallel(),
+            "proj2": RowwiseParallel(),
+        },
+        "norm2": SequenceParallel(use_local_output=True),
+        "pool": PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        ),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def toy_compare() -> dict[str, float]:
+    """Every accepted style: ours vs torch's parallelize_module (DTensor, loss_parallel) vs
+    one process, on a {"dp": world / 2, "tp": 2} mesh."""
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = Toy()
+    g = torch.Generator().manual_seed(1)
+    ids, tgt = torch.randint(0, 32, (4, 6), generator=g), torch.randint(0, 32, (4, 6), generator=g)
+    single = copy.deepcopy(model)
+    loss = F.cross_entropy(single(ids).flatten(0, 1), tgt.flatten())
+    loss.backward()
+    want = {n: p.grad for n, p in single.named_parameters()}
+
+    mesh = mesh_2d()
+    x, y = local_batch((ids, tgt), mesh, ("dp",))
+    theirs = parallelize_module(copy.deepcopy(model), mesh["tp"], toy_plan())
+    with loss_parallel():
+        their_loss = F.cross_entropy(theirs(x).flatten(0, 1), y.flatten())
+        their_loss.backward()
+    their_grads = {
+        n: ff.all_reduce(p.grad.full_tensor(), mesh, ("dp",), op="mean")
+        for n, p in theirs.named_parameters()
+    }
+    their_loss = ff.all_reduce(their_loss.full_tensor().detach(), mesh, ("dp",), op="mean")
+
+    tp = ff.parallelize_module(model, mesh["tp"], toy_plan())
+    f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+
+    def loss_fn(params, x, y):
+        return ff.vocab_parallel_cross_entropy(f.apply(params, x), y, mesh)
+
+    grads, mine = torch.func.grad_and_value(loss_fn)(f.shard(), x, y)
+    grads = ff.gather(grads)
+    mine = ff.all_reduce(mine.detach(), mesh, f.data_axes, op="mean")
+    return {
+        "loss_vs_single": abs(mine.item() - loss.item()),
+        "loss_vs_torch": abs(mine.item() - their_loss.item()),
+        "grad_vs_single": _rel(grads, want),
+        "grad_vs_torch": _rel(grads, their_grads),
+        "styles": sorted({type(s).__name__ for s in tp.styles.values()}),
+    }

@@ -309,26 +309,12 @@ def _fields(style: Any) -> str:
     return repr(style)
 
 
-def _layout(p: Any) -> str:
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Shard):
-        return f"S{p.dim}"
-    if isinstance(p, Partial):
-        return "P"
-    return "?"
-
-
 class _Refusal(ValueError):
     pass
 
 
 def _refuse(why: str) -> _Refusal:
     return _Refusal(why)
-
-
-def _shard_dim(p: Any) -> int | None:
-    return p.dim if isinstance(p, Shard) else None
 
 
 def _is_last(p: Any) -> bool:
@@ -345,12 +331,12 @@ def _colwise(style: Any, module: nn.Module, tp: int, prepared: bool) -> Style:
     if isinstance(module, nn.Embedding):
         if not isinstance(inp, Replicate):
             raise _refuse(
-                f"its ids' layout is {inp}; this library looks up replicated ids: "
+                f"its ids' layout is {inp!r}; this library looks up replicated ids: "
                 f"input_layouts=Replicate()"
             )
         if not (isinstance(out, Replicate) or _is_last(out)):
             raise _refuse(
-                f"output_layouts={out} would need an all-to-all; use Shard(-1) or Replicate()"
+                f"output_layouts={out!r} would need an all-to-all; use Shard(-1) or Replicate()"
             )
         return ColwiseEmbedding(output="replicated" if isinstance(out, Replicate) else "sharded")
     if not isinstance(module, nn.Linear) and getattr(module, "base_layer", None) is None:
@@ -364,7 +350,7 @@ def _colwise(style: Any, module: nn.Module, tp: int, prepared: bool) -> Style:
         output = "sharded"
     else:
         raise _refuse(
-            f"output_layouts={out} would need an all-to-all of the feature-split output; "
+            f"output_layouts={out!r} would need an all-to-all of the feature-split output; "
             f"use Shard(-1) (the default) or Replicate()"
         )
     base = getattr(module, "base_layer", module)
@@ -387,7 +373,7 @@ def _rowwise(style: Any, module: nn.Module) -> Style:
     if isinstance(module, nn.Embedding):
         if not isinstance(inp, Replicate):
             raise _refuse(
-                f"its ids' layout is {inp} (torch's default for RowwiseParallel is Shard(-1), "
+                f"its ids' layout is {inp!r} (torch's default for RowwiseParallel is Shard(-1), "
                 f"which all-gathers the ids along their last dim); this library looks up "
                 f"replicated ids: write input_layouts=Replicate()"
             )
@@ -405,7 +391,7 @@ def _rowwise(style: Any, module: nn.Module) -> Style:
         given = "sharded"
     else:
         raise _refuse(
-            f"input_layouts={inp} would need an all-to-all into the feature split; use "
+            f"input_layouts={inp!r} would need an all-to-all into the feature split; use "
             f"Shard(-1) (the default) or Replicate()"
         )
     if isinstance(out, Replicate):
@@ -436,7 +422,7 @@ def _input_change(style: Any) -> tuple[str, int | None, str | None] | None:
         if isinstance(a, Shard) and isinstance(b, Shard):
             if a.dim != b.dim:
                 raise _refuse(
-                    f"input {where!r}: {a} -> {b} would need an all-to-all; gather "
+                    f"input {where!r}: {a!r} -> {b!r} would need an all-to-all; gather "
                     f"(-> Replicate()) or keep the layout"
                 )
             continue  # an annotation: nothing moves
@@ -466,7 +452,7 @@ def _output_change(style: Any) -> Style | None:
             raise _refuse(f"output {i}: Partial() layouts have no equivalent here")
         if isinstance(a, Shard) and isinstance(b, Shard):
             if a.dim != b.dim:
-                raise _refuse(f"output {i}: {a} -> {b} would need an all-to-all")
+                raise _refuse(f"output {i}: {a!r} -> {b!r} would need an all-to-all")
             continue
         if isinstance(a, Shard):
             changes.append(RedistributeOutput(op="gather", dim=a.dim, index=i))
@@ -479,7 +465,7 @@ def _output_change(style: Any) -> Style | None:
 
 def _error(entry: _Entry, module: nn.Module, why: str) -> ValueError:
     return ValueError(
-        f"tensor_parallel: plan entry {entry.key} gives module {entry.path or repr('')} "
+        f"tensor_parallel: plan entry {entry.key} gives module {entry.path!r} "
         f"({type(module).__name__}) torch's {_fields(entry.style)}, but {why}."
     )
 
@@ -606,7 +592,7 @@ def from_torch_plan(module: nn.Module, plan: Any, tp: int) -> dict[str, Style]:
         if len(styles) > 1:
             (a, _), (b, _) = styles[:2]
             raise ValueError(
-                f"tensor_parallel: module {path or repr('')} ({type(m).__name__}) is given "
+                f"tensor_parallel: module {path!r} ({type(m).__name__}) is given "
                 f"{_fields(a.style)} by plan entry {a.key} and {_fields(b.style)} by plan entry "
                 f"{b.key}; a module takes one style (a PrepareModuleInput and a "
                 f"PrepareModuleOutput may share one). Make the entries disjoint."
