@@ -27,7 +27,9 @@ TOL, LORA_PARAM_TOL = 1e-5, 1e-4
 RUNS = [n for n, a in ZOO.items() if a.torch_func]
 BROKEN = [n for n, a in ZOO.items() if not a.torch_func]
 FEW = ["gemma", "qwen2_moe", "gpt2"]  # tied and scaled, MoE, uneven vocabulary
-SEQUENCE_PARALLEL = [n for n in RUNS if ZOO[n].tp_plan and not ZOO[n].moe]
+SEQUENCE_PARALLEL = [
+    n for n in RUNS if ZOO[n].tp_plan and ZOO[n].sequence_parallel and not ZOO[n].moe
+]
 
 
 def _close(result: dict) -> None:
@@ -105,6 +107,8 @@ def test_sequence_parallel_refuses_what_it_cannot_place(two_ranks):
             assert "ExpertParallel), which need every token" in rank[name]["tp_sp"]["error"]
         for name in (n for n in RUNS if not ZOO[n].tp_plan):  # only the vocabulary is split
             assert "does not name one list of decoder layers" in rank[name]["tp_sp"]["error"]
+        for name in (n for n in RUNS if ZOO[n].tp_plan and not ZOO[n].sequence_parallel):
+            assert "cannot be all-gathered along the sequence once" in rank[name]["tp_sp"]["error"]
 
 
 @pytest.mark.multiprocess
