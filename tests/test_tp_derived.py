@@ -54,4 +54,29 @@ def test_layers_whose_linears_do_not_tell_their_role_get_no_derived_plan():
     model.layers = nn.ModuleList([_Fused(), _Fused()])
     assert derive_plan(model, "") is None
     with pytest.raises(ValueError, match=r"has no base_model_tp_plan: .*none can be read off"):
-        ff.hf_tp_plan(ZOO["falcon"].build())  # query_key_value: fused, head-interleaved
+        ff.hf_tp_plan(ZOO["bloom"].build())  # query_key_value: fused, head-interleaved
+
+
+def test_gpt2_and_gpt_bigcode_fused_qkv_keep_this_ranks_heads():
+    from functional_fsdp.tp.hf_derive import Conv1DColwise, Conv1DRowwise, FusedColwise
+
+    gpt2 = _styles(ff.hf_tp_plan(ZOO["gpt2"].build()), "transformer.h.0")
+    # GPT-2's c_attn is [q | k | v] (Conv1D): each rank keeps its heads of each part.
+    assert gpt2["attn.c_attn"] == FusedColwise(parts=(32, 32, 32), split=(True, True, True))
+    assert gpt2["mlp.c_fc"] == Conv1DColwise() and gpt2["mlp.c_proj"] == Conv1DRowwise()
+    assert [n for n, _ in gpt2["attn"].per_rank] == ["split_size", "embed_dim", "num_heads"]
+    bigcode = _styles(ff.hf_tp_plan(ZOO["gpt_bigcode"].build()), "transformer.h.0")
+    # Multi-query: the single key/value head is read by every rank (its gradient summed).
+    assert bigcode["attn.c_attn"] == FusedColwise(parts=(32, 8, 8), split=(True, False, False))
+    assert bigcode["mlp.c_fc"] == ff.ColwiseParallel()
+
+
+def test_falcon_multi_query_keeps_this_ranks_query_heads():
+    from functional_fsdp.tp.hf_derive import FusedColwise
+
+    falcon = _styles(ff.hf_tp_plan(ZOO["falcon"].build()), "transformer.h.0")
+    assert falcon["self_attention.query_key_value"] == FusedColwise(
+        parts=(32, 8, 8), split=(True, False, False)
+    )
+    assert falcon["self_attention"] == ff.LocalAttributes(("num_heads",))
+    assert falcon["mlp.dense_4h_to_h"] == ff.RowwiseParallel()

@@ -21,6 +21,10 @@ model runs FSDP + TP in one line::
 | ``moe_tp_experts`` | ``ExpertParallel()`` (whole experts per rank) |
 | ``packed_colwise``, ``rowwise`` on expert weights | covered by ``ExpertParallel`` |
 
+Where ``transformers`` ships no plan (OPT, StableLM, GPT-2, GPTBigCode), one is read off the
+decoder layers (:mod:`functional_fsdp.tp.hf_derive`): projections by their names, fused q/k/v
+projections kept per rank by heads, head counts set per rank for the call.
+
 Colwise linears that read nothing but their block's input (q, k, v of an attention) take
 ``input="prepared"`` under a :class:`PrepareInput` on the block: one backward all-reduce
 for all of them. ``sequence_parallel=True`` adds Megatron's sequence parallelism. Both come
@@ -148,7 +152,7 @@ def hf_tp_plan(
         in_base = base_prefix and base_prefix in dict(inner.named_children())
         derived = derive_plan(inner, f"{base_prefix}." if in_base else "")
         base_plan = dict(derived.base_plan) if derived else {}
-    if not base_plan and require_layer_plan:
+    if not base_plan and derived is None and require_layer_plan:
         raise ValueError(
             f"hf_tp_plan: {name}'s config ({type(config).__name__}) has no base_model_tp_plan: "
             f"transformers ships no tensor-parallel plan for it, and none can be read off its "

@@ -26,8 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .ops import scatter_to
-from .styles import Forward, ForwardWrapper, LocalAttributes, PrepareInput, Style
+from ..spec import P
+from .ops import copy_to, reduce_from, scatter_to
+from .styles import (
+    ColwiseParallel,
+    Forward,
+    ForwardWrapper,
+    LocalAttributes,
+    PrepareInput,
+    RowwiseParallel,
+    Style,
+    _map_input,
+)
+from .torch_styles import GatherInput
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "w1", "w3")
 ROWWISE = ("o_proj", "out_proj", "down_proj", "fc2", "w2")
@@ -89,6 +100,120 @@ class PerHeadNorms(Style):
         return wrapper
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a linear layer whose weight is ``[in, out]``."""
+    w = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.ndim == 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conv1DColwise(Style):
+    """``transformers``' ``Conv1D`` (weight ``[in, out]``) split over its output features:
+    weight ``P(None, "tp")``, bias ``P("tp")``; the input enters through :func:`copy_to`.
+
+    Example:
+        >>> Conv1DColwise()
+        Conv1DColwise()
+    """
+
+    def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
+        return {"weight": P(None, axis), "bias": P(axis)}
+
+    def local_attributes(self, module: nn.Module, tp: int) -> dict[str, Any]:
+        return {"nf": module.nf // tp}  # Conv1D reshapes its output with nf
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if not _is_conv1d(module):
+            return f"Conv1DColwise needs a transformers Conv1D, not a {type(module).__name__}"
+        out = module.weight.shape[1]
+        return f"tp={tp} does not divide its {out} output features" if out % tp else None
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        def wrapper(forward: Forward) -> Forward:
+            def colwise(*args: Any, **kwargs: Any) -> Any:
+                enter = lambda x: copy_to(x, mesh, axis)  # noqa: E731
+                args, kwargs = _map_input(self, module, None, args, kwargs, enter)
+                return forward(*args, **kwargs)
+
+            return colwise
+
+        return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conv1DRowwise(Style):
+    """``transformers``' ``Conv1D`` split over its input features: weight ``P("tp", None)``;
+    the partial outputs are summed over tp, then the bias is added once.
+
+    Example:
+        >>> Conv1DRowwise()
+        Conv1DRowwise()
+    """
+
+    def param_specs(self, module: nn.Module, axis: str) -> dict[str, P]:
+        return {"weight": P(axis, None)}
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if not _is_conv1d(module):
+            return f"Conv1DRowwise needs a transformers Conv1D, not a {type(module).__name__}"
+        n = module.weight.shape[0]
+        return f"tp={tp} does not divide its {n} input features" if n % tp else None
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        def wrapper(forward: Forward) -> Forward:
+            def rowwise(x: torch.Tensor) -> torch.Tensor:
+                y = reduce_from(x @ module.weight, mesh, axis)
+                bias = module.bias
+                return y if bias is None else y + bias
+
+            return rowwise
+
+        return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedColwise(Style):
+    """A fused projection (q, k and v in one weight, ``parts`` wide each) computed whole
+    from a replicated weight, whose output keeps this rank's block of each part.
+
+    ``split[i]`` False keeps part ``i`` whole (a multi-query attention's single key/value
+    head, which every rank reads: its gradient is summed over tp). The weight's gradient is
+    whole on every rank (the kept blocks' gradients are all-gathered in backward), so the
+    weight stays replicated over tp: its layout (``[q | k | v]``, each split by heads) is
+    not one block per rank, which a :class:`~functional_fsdp.P` cannot express.
+
+    Example:
+        >>> FusedColwise(parts=(32, 8, 8), split=(True, False, False)).parts
+        (32, 8, 8)
+    """
+
+    parts: tuple[int, ...]
+    split: tuple[bool, ...]
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        base = getattr(module, "base_layer", module)
+        out = base.nf if _is_conv1d(base) else getattr(base, "out_features", None)
+        if out != sum(self.parts):
+            return f"its {out} output features are not the parts {self.parts}"
+        bad = [p for p, s in zip(self.parts, self.split) if s and p % tp]
+        return f"tp={tp} does not divide its parts {bad}" if bad else None
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        def wrapper(forward: Forward) -> Forward:
+            def fused(*args: Any, **kwargs: Any) -> torch.Tensor:
+                y = forward(*args, **kwargs)
+                pieces = y.split(list(self.parts), dim=-1)
+                kept = [
+                    scatter_to(p, mesh, axis, -1) if s else copy_to(p, mesh, axis)
+                    for p, s in zip(pieces, self.split)
+                ]
+                return torch.cat(kept, dim=-1)
+
+            return fused
+
+        return wrapper
+
+
 @dataclass(frozen=True)
 class DerivedPlan:
     """A plan read off a model's structure.
@@ -102,12 +227,14 @@ class DerivedPlan:
     """
 
     base_plan: dict[str, str]
+    styles: dict[str, Style] = field(default_factory=dict)
     attention: dict[str, tuple[str, ...]] = field(default_factory=dict)
     beside: tuple[str, ...] = ()
     per_head: tuple[str, ...] = ()
 
     def finish(self, plan: dict[str, Style]) -> None:
         """Add the per-rank head counts, per-head norms and replicated neighbours to ``plan``."""
+        plan.update(self.styles)
         for path, attrs in self.attention.items():
             style = plan.get(path)
             if isinstance(style, PrepareInput):
@@ -129,7 +256,7 @@ def _layer_list(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList] | No
             isinstance(m, nn.ModuleList)
             and len(m)
             and (n is None or len(m) == n)
-            and any(isinstance(c, nn.Linear) for c in m[0].modules())
+            and any(isinstance(c, nn.Linear) or _is_conv1d(c) for c in m[0].modules())
         ):
             return path, m
     return None
@@ -157,6 +284,9 @@ def derive_plan(model: nn.Module, base: str) -> DerivedPlan | None:
     if base and not list_path.startswith(base):
         return None
     relative = list_path[len(base) :]
+    fused = _gpt2_like(model, list_path, layers) or _falcon_like(list_path, layers)
+    if fused is not None:
+        return fused
     kinds: dict[str, str] = {}
     for path, m in layers[0].named_modules():
         if isinstance(m, nn.Linear):
@@ -195,7 +325,9 @@ def derive_plan(model: nn.Module, base: str) -> DerivedPlan | None:
                     per_head.append(f"{full}.{name}")
                 elif _is_norm(child) or all(_is_norm(c) for c in child.modules() if c is not child):
                     beside.append(f"{full}.{name}")
-    return DerivedPlan(base_plan, attention, tuple(beside), tuple(per_head))
+    return DerivedPlan(
+        base_plan, attention=attention, beside=tuple(beside), per_head=tuple(per_head)
+    )
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -205,3 +337,106 @@ def _is_norm(m: nn.Module) -> bool:
 def _per_head_norms(m: nn.Module) -> bool:
     norms = getattr(m, "norms", None)
     return isinstance(norms, nn.ModuleList) and all(isinstance(n, nn.LayerNorm) for n in norms)
+
+
+def _gpt2_like(model: nn.Module, list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
+    """GPT-2 and GPTBigCode: ``attn.c_attn`` (q, k and v fused), ``attn.c_proj``,
+    ``mlp.c_fc`` and ``mlp.c_proj``, as ``Conv1D`` (GPT-2) or ``nn.Linear`` (GPTBigCode)."""
+    layer = layers[0]
+    attn, mlp = getattr(layer, "attn", None), getattr(layer, "mlp", None)
+    names = ("c_attn", "c_proj")
+    if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+        return None
+    if not (hasattr(mlp, "c_fc") and hasattr(mlp, "c_proj")):
+        return None
+    heads, hidden = getattr(attn, "num_heads", None), getattr(attn, "embed_dim", None)
+    if not (isinstance(heads, int) and isinstance(hidden, int)):
+        return None
+    head_dim = hidden // heads
+    c_attn = attn.c_attn
+    if _is_conv1d(getattr(c_attn, "base_layer", c_attn)):  # GPT-2: [q | k | v], split by split_size
+        qkv: Style = FusedColwise(parts=(hidden,) * 3, split=(True,) * 3)
+        attrs: tuple[str, ...] = ("split_size", "embed_dim", "num_heads")
+    elif getattr(attn, "multi_query", False):  # one key/value head, read by every rank
+        kv = getattr(attn, "kv_dim", head_dim)
+        qkv = FusedColwise(parts=(hidden, kv, kv), split=(True, False, False))
+        attrs = ("embed_dim", "num_heads", "num_key_value_groups")
+    elif isinstance(c_attn, nn.Linear):  # [q, k, v] interleaved per head: whole heads
+        qkv = ColwiseParallel(head_dim=3 * head_dim)
+        attrs = ("embed_dim", "num_heads", "kv_heads", "kv_dim")
+    else:
+        return None
+
+    def linear(module: nn.Module, colwise: bool) -> Style | None:
+        if _is_conv1d(module):
+            return Conv1DColwise() if colwise else Conv1DRowwise()
+        base = getattr(module, "base_layer", None)
+        if base is not None and _is_conv1d(base):
+            # A peft LoRA layer around a Conv1D runs whole, from replicated weights: a
+            # colwise one keeps this rank's block of its output, a rowwise one gathers its
+            # input first.
+            return FusedColwise(parts=(base.nf,), split=(True,)) if colwise else GatherInput(dim=-1)
+        if isinstance(module, nn.Linear):
+            return ColwiseParallel() if colwise else RowwiseParallel()
+        return None
+
+    styles: dict[str, Style] = {}
+    attention: dict[str, tuple[str, ...]] = {}
+    for i, block in enumerate(layers):
+        prefix = f"{list_path}.{i}"
+        parts = {
+            "attn.c_attn": qkv,
+            "attn.c_proj": linear(block.attn.c_proj, colwise=False),
+            "mlp.c_fc": linear(block.mlp.c_fc, colwise=True),
+            "mlp.c_proj": linear(block.mlp.c_proj, colwise=False),
+        }
+        if any(s is None for s in parts.values()):
+            return None
+        styles.update({f"{prefix}.{p}": s for p, s in parts.items()})  # type: ignore[misc]
+        attention[f"{prefix}.attn"] = tuple(
+            a for a in attrs if isinstance(getattr(block.attn, a, None), int)
+        )
+    return DerivedPlan({}, styles, attention)
+
+
+def _falcon_like(list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
+    """Falcon: ``self_attention.query_key_value`` (q, k and v fused), ``self_attention.dense``,
+    ``mlp.dense_h_to_4h`` and ``mlp.dense_4h_to_h``. Multi-query: ``[q heads | k | v]``;
+    otherwise ``[q, k, v]`` interleaved per head (whole heads per rank). The grouped layout of
+    ``new_decoder_architecture`` gets no derived plan."""
+    attn, mlp = getattr(layers[0], "self_attention", None), getattr(layers[0], "mlp", None)
+    qkv_name, out_name = "query_key_value", "dense"
+    if attn is None or mlp is None or getattr(attn, "new_decoder_architecture", True):
+        return None
+
+    def linear(m: Any) -> bool:  # an nn.Linear, or a peft LoRA layer around one
+        return isinstance(getattr(m, "base_layer", m), nn.Linear)
+
+    up, down = getattr(mlp, "dense_h_to_4h", None), getattr(mlp, "dense_4h_to_h", None)
+    if not all(
+        linear(m) for m in (getattr(attn, qkv_name, None), getattr(attn, out_name, None), up, down)
+    ):
+        return None
+    heads, head_dim = attn.num_heads, attn.head_dim
+    if attn.multi_query:
+        qkv: Style = FusedColwise(
+            parts=(heads * head_dim, head_dim, head_dim), split=(True, False, False)
+        )
+        attrs: tuple[str, ...] = ("num_heads",)
+    else:
+        qkv = ColwiseParallel(head_dim=3 * head_dim)
+        attrs = ("num_heads", "num_kv_heads")
+    styles: dict[str, Style] = {}
+    attention: dict[str, tuple[str, ...]] = {}
+    for i in range(len(layers)):
+        prefix = f"{list_path}.{i}"
+        styles.update(
+            {
+                f"{prefix}.self_attention.{qkv_name}": qkv,
+                f"{prefix}.self_attention.{out_name}": RowwiseParallel(),
+                f"{prefix}.mlp.dense_h_to_4h": ColwiseParallel(),
+                f"{prefix}.mlp.dense_4h_to_h": RowwiseParallel(),
+            }
+        )
+        attention[f"{prefix}.self_attention"] = attrs
+    return DerivedPlan({}, styles, attention)
