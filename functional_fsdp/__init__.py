@@ -113,6 +113,7 @@ from .tp.ops import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy
 from .tp.ops import vocab_parallel_embedding as vocab_parallel_embedding
 from .tp.plan import TensorParallel as TensorParallel
 from .tp.plan import tensor_parallel as tensor_parallel
+from .tp.porting import parallelize_module as parallelize_module
 from .tp.styles import ColwiseParallel as ColwiseParallel
 from .tp.styles import ExpertParallel as ExpertParallel
 from .tp.styles import LocalAttributes as LocalAttributes
@@ -125,6 +126,7 @@ from .tp.styles import SequenceParallel as SequenceParallel
 from .tp.styles import Style as Style
 from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .tp.styles import divide_by_tp as divide_by_tp
+from .tp.torch_styles import from_torch_plan as from_torch_plan
 from .train import DonatedStateError as DonatedStateError
 from .train import TrainState as TrainState
 from .train import local_batch as local_batch
@@ -204,6 +206,7 @@ __all__ = [
     "end_simulation",
     "find_units",
     "fold_in",
+    "from_torch_plan",
     "fsdp",
     "gather",
     "gather_from",
@@ -224,6 +227,7 @@ __all__ = [
     "make_mesh",
     "masked",
     "master_weights",
+    "parallelize_module",
     "partition",
     "plan",
     "plot_comms",

@@ -38,7 +38,9 @@ class Arch:
         covers: the variants it stands for (tied head, GQA, partial rotary, ...).
         tied: the head shares the embedding's weight.
         moe: it has mixture-of-experts layers.
-        tp_plan: ``transformers`` ships a tensor-parallel plan for it (``base_model_tp_plan``).
+        tp_plan: ``ff.hf_tp_plan`` splits its layers: from the plan ``transformers`` ships
+            (``base_model_tp_plan``), or from one read off the layers' structure.
+        sequence_parallel: ``hf_tp_plan(sequence_parallel=True)`` can place it.
         torch_func: ``torch.func.grad`` can differentiate it; otherwise ``why_not`` says why.
         config_cls: the config class name, if not ``cls`` with ``ForCausalLM`` replaced.
     """
@@ -50,6 +52,7 @@ class Arch:
     tied: bool = False
     moe: bool = False
     tp_plan: bool = True
+    sequence_parallel: bool = True
     torch_func: bool = True
     why_not: str = ""
     config_cls: str | None = None
@@ -180,18 +183,24 @@ _ARCHS = [
         "gpt2",
         "GPT2LMHeadModel",
         dict(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-        ("Conv1D", "tied", "learned positions", "vocabulary 50257 (uneven on tp=2)"),
+        (
+            "Conv1D",
+            "tied",
+            "learned positions",
+            "vocabulary 50257 (uneven on tp=2)",
+            "TP plan read off its layers (fused q/k/v)",
+        ),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,
         vocab=50257,
     ),
     Arch(
         "gpt_bigcode",
         "GPTBigCodeForCausalLM",
         dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_TOKENS),
-        ("multi-query attention", "tied"),
+        ("multi-query attention", "tied", "TP plan read off its layers (fused q/k/v)"),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,
     ),
     Arch(
         "falcon",
@@ -205,9 +214,14 @@ _ARCHS = [
             bias=False,
             **_TOKENS,
         ),
-        ("parallel attention + MLP", "multi-query attention", "tied"),
+        (
+            "parallel attention + MLP",
+            "multi-query attention",
+            "tied",
+            "TP plan read off its layers (fused q/k/v)",
+        ),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,
     ),
     Arch(
         "opt",
@@ -222,16 +236,15 @@ _ARCHS = [
             max_position_embeddings=64,
             **_TOKENS,
         ),
-        ("learned positions with offset", "tied"),
+        ("learned positions with offset", "tied", "TP plan read off its layers"),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,  # its MLP's linears sit in the layer, beside the norms
     ),
     Arch(
         "stablelm",
         "StableLmForCausalLM",
         _llama_like(partial_rotary_factor=0.25, qk_layernorm=True),
-        ("partial rotary", "q/k LayerNorm (per head)"),
-        tp_plan=False,
+        ("partial rotary", "q/k LayerNorm (per head)", "TP plan read off its layers"),
     ),
     Arch(
         "bloom",

@@ -51,6 +51,9 @@ TORCH_DISTRIBUTED_ALLOWED: dict[tuple[str, str], str] = {
         "process group the distributed layer hands it"
     ),
     ("checkpoint.dcp", "torch.distributed.tensor."): "DCP state dicts hold DTensors",
+    ("tp.torch_styles", "torch.distributed.tensor."): (
+        "reads plans written with torch's TP styles and DTensor placements to translate them"
+    ),
 }
 
 

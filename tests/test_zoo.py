@@ -27,7 +27,9 @@ TOL, LORA_PARAM_TOL = 1e-5, 1e-4
 RUNS = [n for n, a in ZOO.items() if a.torch_func]
 BROKEN = [n for n, a in ZOO.items() if not a.torch_func]
 FEW = ["gemma", "qwen2_moe", "gpt2"]  # tied and scaled, MoE, uneven vocabulary
-SEQUENCE_PARALLEL = [n for n in RUNS if ZOO[n].tp_plan and not ZOO[n].moe]
+SEQUENCE_PARALLEL = [
+    n for n in RUNS if ZOO[n].tp_plan and ZOO[n].sequence_parallel and not ZOO[n].moe
+]
 
 
 def _close(result: dict) -> None:
@@ -105,6 +107,8 @@ def test_sequence_parallel_refuses_what_it_cannot_place(two_ranks):
             assert "ExpertParallel), which need every token" in rank[name]["tp_sp"]["error"]
         for name in (n for n in RUNS if not ZOO[n].tp_plan):  # only the vocabulary is split
             assert "does not name one list of decoder layers" in rank[name]["tp_sp"]["error"]
+        for name in (n for n in RUNS if ZOO[n].tp_plan and not ZOO[n].sequence_parallel):
+            assert "Use sequence_parallel=False" in rank[name]["tp_sp"]["error"]
 
 
 @pytest.mark.multiprocess
@@ -191,15 +195,15 @@ def test_hf_tp_plan_lora_model():
 
 
 def test_hf_tp_plan_errors():
-    gpt2 = ZOO["gpt2"].build()
+    bloom = ZOO["bloom"].build()  # no plan shipped; its fused query_key_value tells none
     with pytest.raises(
         ValueError,
-        match=r"hf_tp_plan: GPT2LMHeadModel's config \(GPT2Config\) has no base_model_tp_plan: .*"
-        r"pass require_layer_plan=False to split only the vocabulary",
+        match=r"hf_tp_plan: BloomForCausalLM's config \(BloomConfig\) has no "
+        r"base_model_tp_plan: .*pass require_layer_plan=False to split only the vocabulary",
     ):
-        ff.hf_tp_plan(gpt2)
-    vocab_only = ff.hf_tp_plan(gpt2, require_layer_plan=False)
-    assert set(vocab_only) == {"transformer.wte", "lm_head", ""}  # "": LogitsSplitOverVocab
+        ff.hf_tp_plan(bloom)
+    vocab_only = ff.hf_tp_plan(bloom, require_layer_plan=False)
+    assert set(vocab_only) == {"transformer.word_embeddings", "lm_head", ""}
 
     model = ZOO["llama"].build()
     model.config.base_model_tp_plan = {

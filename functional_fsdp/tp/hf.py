@@ -21,6 +21,10 @@ model runs FSDP + TP in one line::
 | ``moe_tp_experts`` | ``ExpertParallel()`` (whole experts per rank) |
 | ``packed_colwise``, ``rowwise`` on expert weights | covered by ``ExpertParallel`` |
 
+Where ``transformers`` ships no plan (OPT, StableLM, GPT-2, GPTBigCode), one is read off the
+decoder layers (:mod:`functional_fsdp.tp.hf_derive`): projections by their names, fused q/k/v
+projections kept per rank by heads, head counts set per rank for the call.
+
 Colwise linears that read nothing but their block's input (q, k, v of an attention) take
 ``input="prepared"`` under a :class:`PrepareInput` on the block: one backward all-reduce
 for all of them. ``sequence_parallel=True`` adds Megatron's sequence parallelism. Both come
@@ -38,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._megatron import COLWISE_KINDS, LINEAR_KINDS, head_style, megatron_plan, reads_input_only
+from .hf_derive import derive_plan
 from .styles import (
     ExpertParallel,
     Forward,
@@ -141,10 +146,18 @@ def hf_tp_plan(
     config = getattr(inner, "config", None)
     base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     name = type(inner).__name__
-    if not base_plan and require_layer_plan:
+    base_prefix = getattr(inner, "base_model_prefix", "")
+    derived = None
+    if not base_plan:  # transformers ships none: read one off the decoder layers
+        in_base = base_prefix and base_prefix in dict(inner.named_children())
+        derived = derive_plan(inner, f"{base_prefix}." if in_base else "")
+        base_plan = dict(derived.base_plan) if derived else {}
+    if not base_plan and derived is None and require_layer_plan:
         raise ValueError(
             f"hf_tp_plan: {name}'s config ({type(config).__name__}) has no base_model_tp_plan: "
-            f"transformers ships no tensor-parallel plan for it. Write a plan "
+            f"transformers ships no tensor-parallel plan for it, and none can be read off its "
+            f"decoder layers (their linears are not all named q/k/v/o_proj, out_proj, "
+            f"gate/up/down_proj, fc1/fc2, or fuse several projections). Write a plan "
             f"({{module pattern: Style}}), or pass require_layer_plan=False to split only the "
             f"vocabulary (embedding and head)."
         )
@@ -158,7 +171,6 @@ def hf_tp_plan(
     modules = dict(inner.named_modules())
     paths = list(modules)
     params = {n for n, _ in inner.named_parameters(remove_duplicate=False)}
-    base_prefix = getattr(inner, "base_model_prefix", "")
     base = f"{base_prefix}." if base_prefix and base_prefix in modules else ""
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", 0)
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
@@ -208,6 +220,8 @@ def hf_tp_plan(
             sequence_parallel=sequence_parallel,
         )
     )
+    if derived is not None:
+        derived.finish(plan)
     _add_vocabulary(inner, plan, loss_parallel, vocab_parallel, sequence_parallel)
     out = {f"{prefix}{p}": s for p, s in plan.items()}
     if loss_parallel:

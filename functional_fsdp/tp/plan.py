@@ -40,6 +40,7 @@ from .styles import (
     Style,
     _attributes_set,
 )
+from .torch_styles import from_torch_plan, is_torch_plan
 
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 
@@ -275,6 +276,8 @@ def tensor_parallel(
             f"axis of {format_mesh(sizes)}; name axes of the mesh other than {axis!r}."
         )
     tp = sizes[axis]
+    if is_torch_plan(plan):  # torch's parallelize_module styles and nested plans
+        plan = from_torch_plan(module, plan, tp)
     chosen = _match(module, plan, mesh)
     modules = dict(module.named_modules())
     for path, (pattern, style) in chosen.items():
