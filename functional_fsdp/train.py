@@ -14,6 +14,7 @@ donation. The optimizer gets donation, the gradient norm and finiteness as argum
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import typing
 from collections.abc import Callable
@@ -757,186 +758,263 @@ def train_step(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
             "(needed for batch='global' and accumulate_mode='local')."
         )
-    differentiate = Differentiator(engine, None if model is None else model.module)
-
-    def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
-        return lambda i: _micro_batch_stream(key, i, model, randomness)
-
-    def grads_and_loss(
-        split: _Split, local: Batch, whose: str, key: torch.Tensor | None
-    ) -> tuple[list[Any], torch.Tensor]:
-        """Gradients of the trainable leaves only: frozen ones are never differentiated."""
-        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
-        base = split.leaves
-        train = split.train_leaves
-        pullback = None
-        if accumulate_mode == "local" and model is not None:
-            frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
-            base = list(base)
-            for i, v in zip(split.frozen_index, frozen):
-                base[i] = v
-            train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
-
-        def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            if pullback is None:
-                return _check_loss(loss_fn(split.full(t, base), b))
-            # Gathered over the data axes already: the pullback reduces the gradients once.
-            with step_inputs.given(model, reduce=False):
-                return _check_loss(loss_fn(split.full(t, base), b))
-
-        total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
-        if pullback is not None:
-            (total,) = pullback(total)
-        return total, loss
-
-    def zero_grads_and_loss(
-        split: _Split,
-        local: Batch,
-        layout: tuple[tuple[str, P], ...],
-        whose: str,
-        key: torch.Tensor | None,
-    ) -> tuple[list[Sharded], list[Sharded], torch.Tensor]:
-        """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
-        each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
-        gradients, summed over the micro-batches, reduce-scattered once at the end."""
-        zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
-        replicas = split.train_leaves
-        shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
-        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
-
-        def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            if accumulate_mode == "local":  # full gradients, reduce-scattered once below
-                inputs = step_inputs.given(zero_model, reduce=False)
-            else:  # the shards being differentiated, as apply will see them: their replicas
-                inputs = step_inputs.given(
-                    zero_model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
-                )
-            with inputs:
-                return _check_loss(loss_fn(split.full(t), b))
-
-        wrt = replicas if accumulate_mode == "local" else shards
-        total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
-        if accumulate_mode == "local":
-            names = [name for name, _ in layout]
-            total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
-        return shards, total, loss
-
+    cfg = _Config(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        model=model,
+        batch=batch,
+        accumulate=accumulate,
+        accumulate_mode=accumulate_mode,
+        opt_specs=opt_specs,
+        learning_rate=learning_rate,
+        donate=donate,
+        randomness=randomness,
+        differentiate=Differentiator(engine, None if model is None else model.module),
+    )
     checked_batch: list[bool] = []  # whether a call compared the ranks' global batches
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
-                f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
-                f"state each step returns to the next."
-            )
-        params, opt_state, count = state.params, state.opt_state, state.step
-        if model is not None:
-            check_alive(model.mesh, "train_step")
-        base_key = state.rng  # never donated: the new state shares it
-        if model is not None and state.trainable is None:
-            _check_all_trainable(model, params)
-        _check_not_empty(data)
-        whose = "this rank's batch (batch='local')"
-        local = data
-        if batch == "global" and model is not None:
-            if not checked_batch:  # the first call: a step that loads per-rank data
-                _check_same_global_batch(data, model.mesh)
-                checked_batch.append(True)
-            local = local_batch(data, model.mesh, model.data_axes, where="train_step")
-            whose = _share_description(data, model)
-        split = _Split(params, state.trainable)
-        _check_differentiable(
-            [split.paths[i] for i in split.index],
-            split.train_leaves,
-            "train_step",
-            state.trainable is None,
-        )
-        layout = _opt_layout(state, split, opt_specs)
-        zero = layout is not None and _is_zero(model, split, layout)
-        # Traced by ff.jit, the key has no value to seed a generator with; a traced step
-        # that draws random numbers is refused there.
-        traced = base_key is None or random.traced(base_key)
-        key = None if traced else random.fold_in(base_key, int(count))
-        at_rest = None
-        if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
-            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose, key)
-            train = split.train_def.unflatten(shard_leaves)
-            grads = split.train_def.unflatten(grad_leaves)
-        else:
-            grad_leaves, loss = grads_and_loss(split, local, whose, key)
-            grads = split.train_def.unflatten(grad_leaves)
-            train = split.train
-            if layout is not None:  # another layout: slice gradients and params to it
-                at_rest = optree.tree_map(
-                    lambda v: v.spec if isinstance(v, Sharded) else None,
-                    train,
-                    is_leaf=lambda v: isinstance(v, Sharded),
-                    none_is_leaf=True,
-                )
-                grads = reshard(grads, split.train_def.unflatten(layout), check=False)
-                train = reshard(train, split.train_def.unflatten(layout), check=False)
-        norm = global_norm(grads)
-        if model is not None:
-            loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
-        finite = torch.isfinite(loss) & torch.isfinite(norm)
-        given_lr = None  # train_step(learning_rate=...): computed before anything is written
-        if learning_rate is not None:
-            given_lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        if donate:  # dead before the first in-place write: a failure below cannot be retried
-            state._donated_at = count
-        # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
-        # the same on every rank: the global norm, and the all-reduced loss's finiteness.
-        extra = {
-            "finite": finite if model is not None else torch.isfinite(norm),
-            "grad_norm": norm,  # clip_by_global_norm's: computed once per step
-            "donate": donate,
-        }
-        updates, new_opt_state = call_update(optimizer, grads, opt_state, train, extra)
-        in_place = donate and not zero  # ZeRO's shards are the step's own copies
-        if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
-            new_train = _from_masters(train, new_opt_state.master, in_place)
-        elif in_place:
-            new_train = _apply_in_place(train, updates)
-        else:
-            new_train = apply_updates(train, updates)
-        if donate:
-            new_opt_state = _donate_into(opt_state, new_opt_state)
-        if zero:  # one bucketed all-gather of the updated shards (into the old replicas)
-            new_leaves = gather_replicas(
-                split.train_def.flatten_up_to(new_train),
-                split.train_leaves,
-                [name for name, _ in layout],
-                model.data_axes,
-                into=donate,
-            )
-            new_train = split.train_def.unflatten(new_leaves)
-        elif at_rest is not None:
-            new_train = reshard(new_train, at_rest, check=False)
-        # Frozen leaves are the input's own objects: never copied, never written.
-        new_params = split.full(split.train_def.flatten_up_to(new_train))
-        new_state = TrainState(
-            new_params,
-            new_opt_state,
-            count + 1,
-            state.trainable,
-            opt_specs=state.opt_specs,
-            rng=base_key,
-        )
-        # What the optimizer state records about this update (the learning rate it applied,
-        # apply_if_finite's skips): read from the new state, copied if the next donated step
-        # would write into it.
-        records = {
-            k: v.clone() if donate and isinstance(v, torch.Tensor) else v
-            for k, v in metrics_of(new_opt_state).items()
-        }
-        lr = records.pop("lr", float("nan"))
-        if given_lr is not None:
-            lr = given_lr
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
-        return new_state, {k: _one_value(v) for k, v in metrics.items()}
+        return _step(cfg, checked_batch, state, data)
 
     return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The arguments of one ``train_step``, checked: what each of its steps reads."""
+
+    loss_fn: Callable[[Any, Batch], Any]
+    optimizer: GradientTransformation
+    model: FSDP | None
+    batch: str
+    accumulate: int
+    accumulate_mode: str
+    opt_specs: Any
+    learning_rate: float | Schedule | None
+    donate: bool
+    randomness: str
+    differentiate: Differentiator  # remembers the engine "auto" chose
+
+    def stream(self, key: torch.Tensor | None) -> Callable[[int], Any]:
+        """Micro-batch ``i``'s random stream, from this step's key."""
+        return lambda i: _micro_batch_stream(key, i, self.model, self.randomness)
+
+
+class _PathResult(typing.NamedTuple):
+    """What a step path (:func:`_fsdp_path`, :func:`_zero_path`) hands the shared update."""
+
+    train: Any  # the trainable values the optimizer updates (its layout)
+    grads: Any  # their gradients, reduced over the data axes, in the same layout
+    loss: torch.Tensor  # this rank's loss, the mean over its micro-batches (detached)
+    restore: Callable[[Any], Any]  # updated values -> the parameters' at-rest layout
+    in_place: bool  # whether donation may write the update into ``train``
+
+
+def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batch) -> Any:
+    """One step: this rank's share and micro-batches, the gradients by the path the state's
+    layout asks for (:func:`_fsdp_path` or :func:`_zero_path`), then the shared update."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
+            f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
+            f"state each step returns to the next."
+        )
+    model = cfg.model
+    params, count = state.params, state.step
+    if model is not None:
+        check_alive(model.mesh, "train_step")
+    base_key = state.rng
+    if model is not None and state.trainable is None:
+        _check_all_trainable(model, params)
+    _check_not_empty(data)
+    whose = "this rank's batch (batch='local')"
+    local = data
+    if cfg.batch == "global" and model is not None:
+        if not checked_batch:  # the first call: a step that loads per-rank data
+            _check_same_global_batch(data, model.mesh)
+            checked_batch.append(True)
+        local = local_batch(data, model.mesh, model.data_axes, where="train_step")
+        whose = _share_description(data, model)
+    split = _Split(params, state.trainable)
+    _check_differentiable(
+        [split.paths[i] for i in split.index],
+        split.train_leaves,
+        "train_step",
+        state.trainable is None,
+    )
+    layout = _opt_layout(state, split, cfg.opt_specs)
+    # Traced by ff.jit, the key has no value to seed a generator with; a traced step
+    # that draws random numbers is refused there.
+    traced = base_key is None or random.traced(base_key)
+    key = None if traced else random.fold_in(base_key, int(count))
+    micro = split_batch(local, cfg.accumulate, whose=whose) if cfg.accumulate > 1 else [local]
+    if layout is not None and _is_zero(model, split, layout):
+        path = _zero_path(cfg, split, micro, layout, key)
+    else:
+        path = _fsdp_path(cfg, split, micro, layout, key)
+    return _update(cfg, state, split, path)
+
+
+def _fsdp_path(
+    cfg: _Config,
+    split: _Split,
+    micro: list[Batch],
+    layout: tuple[tuple[str, P], ...] | None,
+    key: torch.Tensor | None,
+) -> _PathResult:
+    """FSDP, ``shard_grad_op``, DDP, HSDP and TP: the gradients of the trainable leaves as
+    :meth:`FSDP.apply` reduces them, per unit (``reduce_each``), or once per step over the
+    whole model (``accumulate_mode="local"``: the parameters gathered once, the gradient
+    rule as :func:`to_compute_layout`'s pullback). Frozen leaves are never differentiated.
+    With an optimizer layout of its own (not ZeRO's), gradients and parameters are resharded
+    to it for the update and the updated parameters back to their at-rest layout."""
+    model = cfg.model
+    base = split.leaves
+    train = split.train_leaves
+    pullback = None
+    if cfg.accumulate_mode == "local" and model is not None:
+        frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
+        base = list(base)
+        for i, v in zip(split.frozen_index, frozen):
+            base[i] = v
+        train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
+
+    def checked(t: list[Any], b: Batch) -> torch.Tensor:
+        if pullback is None:
+            return _check_loss(cfg.loss_fn(split.full(t, base), b))
+        # Gathered over the data axes already: the pullback reduces the gradients once.
+        with step_inputs.given(model, reduce=False):
+            return _check_loss(cfg.loss_fn(split.full(t, base), b))
+
+    total, loss = _value_and_grads(checked, train, micro, cfg.stream(key), cfg.differentiate)
+    if pullback is not None:
+        (total,) = pullback(total)
+    grads = split.train_def.unflatten(total)
+    values = split.train
+    if layout is None:
+        return _PathResult(values, grads, loss, lambda new: new, in_place=True)
+    at_rest = optree.tree_map(
+        lambda v: v.spec if isinstance(v, Sharded) else None,
+        values,
+        is_leaf=lambda v: isinstance(v, Sharded),
+        none_is_leaf=True,
+    )
+    opt_layout = split.train_def.unflatten(layout)
+    return _PathResult(
+        reshard(values, opt_layout, check=False),
+        reshard(grads, opt_layout, check=False),
+        loss,
+        lambda new: reshard(new, at_rest, check=False),
+        in_place=True,
+    )
+
+
+def _zero_path(
+    cfg: _Config,
+    split: _Split,
+    micro: list[Batch],
+    layout: tuple[tuple[str, P], ...],
+    key: torch.Tensor | None,
+) -> _PathResult:
+    """ZeRO-1/2: parameters replicated over the data axes at rest, the optimizer on shards.
+
+    ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters each
+    unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
+    gradients, summed over the micro-batches, reduce-scattered once at the end. The update
+    is on the shards (local copies, so never written in place), and one bucketed all-gather
+    brings the updated shards back into replicas."""
+    model = typing.cast(FSDP, cfg.model)  # _is_zero said there is one
+    names = [name for name, _ in layout]
+    replicas = split.train_leaves
+    shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
+
+    def checked(t: list[Any], b: Batch) -> torch.Tensor:
+        if cfg.accumulate_mode == "local":  # full gradients, reduce-scattered once below
+            inputs = step_inputs.given(model, reduce=False)
+        else:  # the shards being differentiated, as apply will see them: their replicas
+            inputs = step_inputs.given(
+                model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
+            )
+        with inputs:
+            return _check_loss(cfg.loss_fn(split.full(t), b))
+
+    wrt = replicas if cfg.accumulate_mode == "local" else shards
+    total, loss = _value_and_grads(checked, wrt, micro, cfg.stream(key), cfg.differentiate)
+    if cfg.accumulate_mode == "local":
+        total = reduce_to_shards(total, shards, names, model.data_axes, model.policy)
+
+    def restore(new: Any) -> Any:  # one bucketed all-gather (into the old replicas if donated)
+        leaves = split.train_def.flatten_up_to(new)
+        gathered = gather_replicas(leaves, replicas, names, model.data_axes, into=cfg.donate)
+        return split.train_def.unflatten(gathered)
+
+    return _PathResult(
+        split.train_def.unflatten(shards),
+        split.train_def.unflatten(total),
+        loss,
+        restore,
+        in_place=False,  # the shards are the step's own copies
+    )
+
+
+def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -> Any:
+    """The steps every path shares: the loss over the data ranks, the global gradient norm
+    and finiteness, the optimizer update (donated, or from fp32 masters), the parameters
+    back at rest, the new state and the metrics."""
+    model, donate = cfg.model, cfg.donate
+    opt_state, count, key = state.opt_state, state.step, state.rng  # read before donation
+    grads, loss = path.grads, path.loss
+    norm = global_norm(grads)
+    if model is not None:
+        loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
+    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    given_lr = None  # train_step(learning_rate=...): computed before anything is written
+    if cfg.learning_rate is not None:
+        lr_ = cfg.learning_rate
+        given_lr = lr_(count) if callable(lr_) else lr_
+    if donate:  # dead before the first in-place write: a failure below cannot be retried
+        state._donated_at = count
+    # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
+    # the same on every rank: the global norm, and the all-reduced loss's finiteness.
+    extra = {
+        "finite": finite if model is not None else torch.isfinite(norm),
+        "grad_norm": norm,  # clip_by_global_norm's: computed once per step
+        "donate": donate,
+    }
+    train = path.train
+    updates, new_opt_state = call_update(cfg.optimizer, grads, opt_state, train, extra)
+    in_place = donate and path.in_place
+    if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
+        new_train = _from_masters(train, new_opt_state.master, in_place)
+    elif in_place:
+        new_train = _apply_in_place(train, updates)
+    else:
+        new_train = apply_updates(train, updates)
+    if donate:
+        new_opt_state = _donate_into(opt_state, new_opt_state)
+    new_train = path.restore(new_train)
+    # Frozen leaves are the input's own objects: never copied, never written.
+    new_params = split.full(split.train_def.flatten_up_to(new_train))
+    new_state = TrainState(
+        new_params,
+        new_opt_state,
+        count + 1,
+        state.trainable,
+        opt_specs=state.opt_specs,
+        rng=key,  # never donated: the new state shares it
+    )
+    # What the optimizer state records about this update (the learning rate it applied,
+    # apply_if_finite's skips): read from the new state, copied if the next donated step
+    # would write into it.
+    records = {
+        k: v.clone() if donate and isinstance(v, torch.Tensor) else v
+        for k, v in metrics_of(new_opt_state).items()
+    }
+    lr = records.pop("lr", float("nan"))
+    if given_lr is not None:
+        lr = given_lr
+    metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
+    return new_state, {k: _one_value(v) for k, v in metrics.items()}
 
 
 def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
