@@ -126,6 +126,7 @@ from .tp.styles import Style as Style
 from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .tp.styles import divide_by_tp as divide_by_tp
 from .train import DonatedStateError as DonatedStateError
+from .train import SumCount as SumCount
 from .train import TrainState as TrainState
 from .train import local_batch as local_batch
 from .train import train_step as train_step
@@ -170,6 +171,7 @@ __all__ = [
     "SequenceParallel",
     "Sharded",
     "Style",
+    "SumCount",
     "TensorParallel",
     "TensorPeak",
     "TraceError",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import operator
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -34,7 +36,7 @@ from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import step_inputs
 from .fsdp.api import FSDP
-from .fsdp.gradients import to_compute_layout
+from .fsdp.gradients import mean_divisor, to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
 from .optim.clipping import global_norm
@@ -591,18 +593,190 @@ def _check_all_trainable(model: FSDP, params: Any) -> None:
         _refuse_frozen("train_step", [n for n in frozen if n in present], "module")
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
+class SumCount(typing.NamedTuple):
+    """A loss or an auxiliary value given as a sum and what it counts, so that the step can
+    divide the global sum by the global count (over data ranks and micro-batches).
+
+    ``loss_fn`` may return one for its loss (a plain ``(sum, count)`` tuple means the
+    same), and put some in its auxiliary outputs (``train_step(has_aux=True)``), which then
+    reduce like the loss instead of being averaged.
+
+    Attributes:
+        sum: a 0-dim floating tensor, e.g. the summed cross entropy of the counted tokens
+            (differentiated, for the loss).
+        count: what ``sum`` is a sum over: a 0-dim tensor or a number, e.g.
+            ``(labels != -100).sum()``.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> token_losses = torch.tensor([1.0, 2.0, 0.0])
+        >>> labels = torch.tensor([5, 7, -100])
+        >>> mask = labels != -100
+        >>> ff.SumCount(token_losses[mask].sum(), mask.sum())
+        SumCount(sum=tensor(3.), count=tensor(2))
+    """
+
+    sum: torch.Tensor
+    count: torch.Tensor | int | float
+
+
+def _check_loss(loss: Any, has_aux: bool = False) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        which = "the loss loss_fn returns first" if has_aux else "loss_fn"
         raise ValueError(
-            f"train_step: loss_fn must return a scalar tensor (the mean loss of this rank's "
-            f"batch), got {shape}. Reduce it, e.g. return loss.mean()."
+            f"train_step: {which} must be a scalar tensor (the mean loss of this rank's "
+            f"batch) or a pair (sum, count), got {shape}. Reduce it, e.g. return "
+            f"loss.mean(), or return (token_losses.sum(), (labels != -100).sum()) for the "
+            f"token mean of the global batch."
         )
     return loss
 
 
+def _loss_parts(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any, Any]:
+    """``loss_fn``'s return value as (the value to differentiate, its count or ``None``,
+    the auxiliary outputs or ``None``)."""
+    aux = None
+    if has_aux:
+        if not isinstance(out, tuple) or len(out) != 2:
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+            raise TypeError(
+                f"train_step(has_aux=True): loss_fn must return (loss, aux), where loss is a "
+                f"scalar tensor or a pair (sum, count) and aux a pytree of tensors; got {got}."
+            )
+        out, aux = out
+    if not isinstance(out, tuple):
+        return _check_loss(out, has_aux), None, aux
+    if len(out) != 2:
+        raise ValueError(
+            f"train_step: loss_fn returned a tuple of {len(out)}; a loss is a scalar tensor "
+            f"or a pair (sum, count)"
+            f"{'' if has_aux else ', and (loss, aux) needs train_step(..., has_aux=True)'}."
+        )
+    total, count = out
+    if not has_aux and not _is_count(count):
+        raise ValueError(
+            f"train_step: loss_fn returned a pair whose second value is "
+            f"{_describe(count)}, not a count. If it is auxiliary output, build the step "
+            f"with train_step(..., has_aux=True) and return (loss, aux); a loss given as a "
+            f"sum returns (sum, count), count a 0-dim tensor or a number."
+        )
+    if not (isinstance(total, torch.Tensor) and total.ndim == 0 and total.is_floating_point()):
+        raise ValueError(
+            f"train_step: the sum of a (sum, count) loss must be a 0-dim floating tensor, got "
+            f"{_describe(total)}; e.g. return (token_losses.sum(), (labels != -100).sum())."
+        )
+    return total, _as_count(count, "the count of a (sum, count) loss"), aux
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} ({str(x.dtype).removeprefix('torch.')})"
+    return f"{type(x).__name__} {_short_repr(x, 40)}"
+
+
+def _is_count(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.ndim == 0 and not x.is_complex()
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_count(count: Any, what: str) -> Any:
+    """A count: a 0-dim real tensor (detached) or a Python number."""
+    if _is_count(count):
+        return count.detach() if isinstance(count, torch.Tensor) else count
+    raise ValueError(
+        f"train_step: {what} must be a 0-dim tensor or a number, got {_describe(count)}; "
+        f"e.g. (labels != -100).sum()."
+    )
+
+
+class _Outputs(typing.NamedTuple):
+    """``loss_fn``'s outputs summed over this rank's micro-batches (detached)."""
+
+    value: torch.Tensor  # the sum of the differentiated values (losses, or sums)
+    count: Any  # the sum of the counts of a (sum, count) loss; None for a scalar loss
+    aux: Any  # the sum of the auxiliary outputs (SumCount summed part by part); or None
+    parts: int  # the number of micro-batches
+
+
+def _reduce_outputs(
+    model: FSDP | None, out: _Outputs
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The step's loss, total count and auxiliary outputs, over the data ranks: one
+    all-reduce of everything at once (the loss's, which every step spends anyway).
+
+    A scalar loss: the mean over ranks and micro-batches. A ``(sum, count)`` loss: the
+    global sum over the global count. Auxiliary values: plain tensors averaged over ranks
+    and micro-batches, :class:`SumCount` ones the global sum over the global count.
+    """
+    ranks = 1
+    if model is not None:
+        sizes = axis_sizes(model.mesh)
+        ranks = math.prod(sizes[a] for a in model.data_axes)
+    means = out.parts * ranks  # what a scalar loss's or plain aux's sum is divided by
+    if out.count is None and out.aux is None:  # a scalar loss, as DDP and FSDP2 average it
+        loss = out.value / out.parts
+        if model is not None:
+            loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
+        return loss, None, None
+    device = out.value.device
+
+    def flat(x: Any) -> torch.Tensor:
+        return torch.as_tensor(x, device=device).detach().to(torch.float64).reshape(-1)
+
+    items, treedef = optree.tree_flatten(out.aux, is_leaf=lambda x: isinstance(x, SumCount))
+    parts = [flat(out.value)] + ([] if out.count is None else [flat(out.count)])
+    for item in items:
+        parts += [flat(item.sum), flat(item.count)] if isinstance(item, SumCount) else [flat(item)]
+    total = torch.cat(parts)
+    if model is not None:  # one all-reduce (sum) of the loss, the count and every aux value
+        total = C.wait(C.raw_all_reduce(total, model.mesh, model.data_axes))
+    dtype = out.value.dtype
+    if out.count is None:
+        loss, count, at = (total[0] / means).to(dtype), None, 1
+    else:
+        count = total[1]
+        loss, at = (total[0] / count).to(dtype), 2
+        kind = out.count.dtype if isinstance(out.count, torch.Tensor) else None
+        if (kind is not None and not kind.is_floating_point) or isinstance(out.count, int):
+            count = count.round().to(torch.int64)
+    values = []
+    for item in items:
+        if isinstance(item, SumCount):
+            n = torch.as_tensor(item.sum).numel()
+            s, c = total[at : at + n], total[at + n : at + 2 * n]
+            values.append(_like(s / c, item.sum))
+            at += 2 * n
+        else:
+            n = torch.as_tensor(item).numel()
+            values.append(_like(total[at : at + n] / means, item))
+            at += n
+    aux = None if out.aux is None else optree.tree_unflatten(treedef, values)
+    return loss, count, aux
+
+
+def _like(x: torch.Tensor, like: Any) -> torch.Tensor:
+    """``x`` in ``like``'s shape, and its dtype where that is floating (else float32)."""
+    like = torch.as_tensor(like)
+    dtype = like.dtype if like.is_floating_point() else torch.float32
+    return x.reshape(like.shape).to(dtype)
+
+
+def _to_token_mean(model: FSDP | None, grads: Any, parts: int, count: torch.Tensor) -> Any:
+    """Gradients of a ``(sum, count)`` loss as the step computed them (averaged over the
+    micro-batches and divided by the gradient rule's
+    :func:`~functional_fsdp.fsdp.gradients.mean_divisor`), divided by the global count
+    instead: the gradient of the global sum over the global count."""
+    divided = parts
+    if model is not None:
+        divided *= mean_divisor(axis_sizes(model.mesh), model.data_axes, model.policy)
+    scale = (divided / count.to(torch.float64)).to(torch.float32)
+    return optree.tree_map(lambda t: t * scale, grads, namespace=NAMESPACE)
+
+
 def train_step(
-    loss_fn: Callable[[Any, Batch], torch.Tensor],
+    loss_fn: Callable[[Any, Batch], Any],
     optimizer: GradientTransformation,
     *,
     model: FSDP | None = None,
@@ -614,6 +788,7 @@ def train_step(
     donate: bool = False,
     randomness: Literal["per_rank", "global_batch"] = "per_rank",
     engine: Engine = "auto",
+    has_aux: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -635,13 +810,22 @@ def train_step(
     :func:`~functional_fsdp.clip_by_global_norm` then uses instead of all-reducing another).
 
     Args:
-        loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
-            model with :meth:`FSDP.apply` (which reduces gradients over the data axes). The
-            step's loss and gradient are the mean over data-parallel ranks (and
-            micro-batches) of ``loss_fn``'s, as DDP and FSDP2 give: the global batch's mean
-            when every share counts the same number of items. A per-token mean over shares
-            with different numbers of counted tokens (padding, labels of -100) is weighted
-            per share, not per token.
+        loss_fn: ``loss_fn(params, batch)``, running the model with :meth:`FSDP.apply`
+            (which reduces gradients over the data axes), returns either
+
+            * a scalar, the mean loss of its batch: the step's loss and gradient are the
+              mean over data-parallel ranks and micro-batches of ``loss_fn``'s, as DDP and
+              FSDP2 give; the global batch's mean when every share counts the same number
+              of items;
+            * or a pair ``(sum, count)`` (or a :class:`SumCount`), e.g. the summed cross
+              entropy of the tokens whose label is not -100 and their number: the step's
+              loss and gradient are then the sum over every data-parallel rank and
+              micro-batch divided by the total count, which is the token mean one process
+              computes on the global batch (Hugging Face Trainer's default,
+              ``average_tokens_across_devices=True``), however unevenly the tokens fall
+              into shares. ``metrics["count"]`` is the total. It costs no extra collective:
+              the count rides in the all-reduce that averages the loss.
+
         optimizer: a :class:`GradientTransformation`, e.g. ``chain(clip_by_global_norm(1.0),
             adamw(3e-4))``.
         model: the :class:`FSDP` description (mesh, data axes, policy). Needed for
@@ -692,10 +876,18 @@ def train_step(
             when ``torch.func`` raises on code it cannot transform (the failed attempt's
             forward is wasted once); either way it warns once
             (:class:`~functional_fsdp.grad_engine.AutogradFallbackWarning`).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``, ``loss`` as above and ``aux`` a pytree
+            of tensors (JAX's ``has_aux``), returned as ``metrics["aux"]``, reduced over the
+            data ranks and micro-batches in the same all-reduce as the loss: a
+            :class:`SumCount` leaf becomes its global sum over its global count (as a
+            ``(sum, count)`` loss); any other tensor is averaged over ranks and
+            micro-batches (as a scalar loss), returned in its shape, in its dtype if
+            floating, else in float32.
 
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
-        ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
+        ``model=``), ``count`` (for a ``(sum, count)`` loss: the total count), ``aux``
+        (with ``has_aux``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
         ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
         and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
@@ -747,6 +939,8 @@ def train_step(
         raise ValueError(
             f"train_step: accumulate_mode must be 'reduce_each' or 'local', got {accumulate_mode!r}"
         )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"train_step: has_aux must be True or False, got {has_aux!r}.")
     if randomness not in ("per_rank", "global_batch"):
         raise ValueError(
             f"train_step: randomness must be 'per_rank' or 'global_batch', got {randomness!r}."
@@ -769,6 +963,7 @@ def train_step(
         learning_rate=learning_rate,
         donate=donate,
         randomness=randomness,
+        has_aux=has_aux,
         differentiate=Differentiator(engine, None if model is None else model.module),
     )
     checked_batch: list[bool] = []  # whether a call compared the ranks' global batches
@@ -793,7 +988,22 @@ class _Config:
     learning_rate: float | Schedule | None
     donate: bool
     randomness: str
+    has_aux: bool
     differentiate: Differentiator  # remembers the engine "auto" chose
+
+    def loss(self, params: Any, batch: Batch) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        """``loss_fn(params, batch)`` as ``(value to differentiate, (count, aux))``: all
+        tensors, as ``torch.func``'s ``has_aux`` takes them (``()`` for none)."""
+        value, count, aux = _loss_parts(self.loss_fn(params, batch), self.has_aux)
+        as_tensors = functools.partial(
+            optree.tree_map,
+            lambda x: x if isinstance(x, torch.Tensor) else torch.as_tensor(x),
+            namespace=NAMESPACE,
+        )
+        return value, (
+            () if count is None else as_tensors(count),
+            () if aux is None else as_tensors(aux),
+        )
 
     def stream(self, key: torch.Tensor | None) -> Callable[[int], Any]:
         """Micro-batch ``i``'s random stream, from this step's key."""
@@ -805,7 +1015,7 @@ class _PathResult(typing.NamedTuple):
 
     train: Any  # the trainable values the optimizer updates (its layout)
     grads: Any  # their gradients, reduced over the data axes, in the same layout
-    loss: torch.Tensor  # this rank's loss, the mean over its micro-batches (detached)
+    outputs: _Outputs  # loss_fn's, summed over this rank's micro-batches
     restore: Callable[[Any], Any]  # updated values -> the parameters' at-rest layout
     in_place: bool  # whether donation may write the update into ``train``
 
@@ -879,20 +1089,20 @@ def _fsdp_path(
             base[i] = v
         train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
 
-    def checked(t: list[Any], b: Batch) -> torch.Tensor:
+    def checked(t: list[Any], b: Batch) -> tuple[torch.Tensor, Any]:
         if pullback is None:
-            return _check_loss(cfg.loss_fn(split.full(t, base), b))
+            return cfg.loss(split.full(t, base), b)
         # Gathered over the data axes already: the pullback reduces the gradients once.
         with step_inputs.given(model, reduce=False):
-            return _check_loss(cfg.loss_fn(split.full(t, base), b))
+            return cfg.loss(split.full(t, base), b)
 
-    total, loss = _value_and_grads(checked, train, micro, cfg.stream(key), cfg.differentiate)
+    total, outputs = _value_and_grads(checked, train, micro, cfg.stream(key), cfg.differentiate)
     if pullback is not None:
         (total,) = pullback(total)
     grads = split.train_def.unflatten(total)
     values = split.train
     if layout is None:
-        return _PathResult(values, grads, loss, lambda new: new, in_place=True)
+        return _PathResult(values, grads, outputs, lambda new: new, in_place=True)
     at_rest = optree.tree_map(
         lambda v: v.spec if isinstance(v, Sharded) else None,
         values,
@@ -903,7 +1113,7 @@ def _fsdp_path(
     return _PathResult(
         reshard(values, opt_layout, check=False),
         reshard(grads, opt_layout, check=False),
-        loss,
+        outputs,
         lambda new: reshard(new, at_rest, check=False),
         in_place=True,
     )
@@ -928,7 +1138,7 @@ def _zero_path(
     replicas = split.train_leaves
     shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
 
-    def checked(t: list[Any], b: Batch) -> torch.Tensor:
+    def checked(t: list[Any], b: Batch) -> tuple[torch.Tensor, Any]:
         if cfg.accumulate_mode == "local":  # full gradients, reduce-scattered once below
             inputs = step_inputs.given(model, reduce=False)
         else:  # the shards being differentiated, as apply will see them: their replicas
@@ -936,10 +1146,10 @@ def _zero_path(
                 model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
             )
         with inputs:
-            return _check_loss(cfg.loss_fn(split.full(t), b))
+            return cfg.loss(split.full(t), b)
 
     wrt = replicas if cfg.accumulate_mode == "local" else shards
-    total, loss = _value_and_grads(checked, wrt, micro, cfg.stream(key), cfg.differentiate)
+    total, outputs = _value_and_grads(checked, wrt, micro, cfg.stream(key), cfg.differentiate)
     if cfg.accumulate_mode == "local":
         total = reduce_to_shards(total, shards, names, model.data_axes, model.policy)
 
@@ -951,22 +1161,24 @@ def _zero_path(
     return _PathResult(
         split.train_def.unflatten(shards),
         split.train_def.unflatten(total),
-        loss,
+        outputs,
         restore,
         in_place=False,  # the shards are the step's own copies
     )
 
 
 def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -> Any:
-    """The steps every path shares: the loss over the data ranks, the global gradient norm
+    """The steps every path shares: the loss (and count, aux) over the data ranks, the
+    gradients of a (sum, count) loss divided by the global count, the global gradient norm
     and finiteness, the optimizer update (donated, or from fp32 masters), the parameters
     back at rest, the new state and the metrics."""
     model, donate = cfg.model, cfg.donate
     opt_state, count, key = state.opt_state, state.step, state.rng  # read before donation
-    grads, loss = path.grads, path.loss
+    loss, items, aux = _reduce_outputs(model, path.outputs)
+    grads = path.grads
+    if items is not None:
+        grads = _to_token_mean(model, grads, path.outputs.parts, items)
     norm = global_norm(grads)
-    if model is not None:
-        loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
     finite = torch.isfinite(loss) & torch.isfinite(norm)
     given_lr = None  # train_step(learning_rate=...): computed before anything is written
     if cfg.learning_rate is not None:
@@ -1013,8 +1225,14 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     lr = records.pop("lr", float("nan"))
     if given_lr is not None:
         lr = given_lr
-    metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
-    return new_state, {k: _one_value(v) for k, v in metrics.items()}
+    metrics: dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
+    if items is not None:
+        metrics["count"] = items
+    metrics.update(records)
+    metrics = {k: _one_value(v) for k, v in metrics.items()}
+    if cfg.has_aux:
+        metrics["aux"] = optree.tree_map(_one_value, aux, namespace=NAMESPACE)
+    return new_state, metrics
 
 
 def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
@@ -1024,30 +1242,38 @@ def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
 
 
 def _value_and_grads(
-    fn: Callable[[list[Any], Batch], torch.Tensor],
+    fn: Callable[[list[Any], Batch], tuple[torch.Tensor, Any]],
     wrt: list[Any],
     micro: list[Batch],
     stream: Callable[[int], contextlib.AbstractContextManager[Any]],
     differentiate: Differentiator,
-) -> tuple[list[Any], torch.Tensor]:
-    """The one place a step differentiates: the gradients of ``fn(wrt, micro_batch)`` with
+) -> tuple[list[Any], _Outputs]:
+    """The one place a step differentiates and accumulates: the gradients of
+    ``fn(wrt, micro_batch)`` (its value; ``fn`` returns ``(value, (count, aux))``) with
     respect to ``wrt`` (``torch.func.grad_and_value``, or autograd: ``differentiate``'s
-    engine), averaged over the micro-batches, and
-    the mean loss (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
+    engine), averaged over the micro-batches, and ``fn``'s outputs summed over them
+    (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
 
     Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
     that computes them is this function's business alone.
     """
-    total, loss_sum = None, 0.0
+    total, value, items, aux = None, None, None, None
+    add = functools.partial(optree.tree_map, torch.add, namespace=NAMESPACE)
     for i, mb in enumerate(micro):
         with stream(i):
-            g, loss = differentiate.grad_and_value(fn)(wrt, mb)
-        total = g if total is None else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
-        loss_sum = loss_sum + loss.detach()
+            g, (v, (c, a)) = differentiate.grad_and_value(fn, has_aux=True)(wrt, mb)
+        total = g if total is None else add(total, g)
+        v = v.detach()
+        value = v if value is None else value + v
+        if isinstance(c, torch.Tensor):
+            items = c if items is None else items + c
+        if not (type(a) is tuple and not a):  # () stands for no aux
+            aux = a if aux is None else optree.tree_map(operator.add, aux, a)
     if len(micro) > 1:
         n = len(micro)
         total = optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
-    return typing.cast(list[Any], total), loss_sum / len(micro)
+    outputs = _Outputs(typing.cast(torch.Tensor, value), items, aux, len(micro))
+    return typing.cast(list[Any], total), outputs
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:
