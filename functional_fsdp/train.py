@@ -623,10 +623,10 @@ class SumCount(typing.NamedTuple):
 def _check_loss(loss: Any, has_aux: bool = False) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        which = "the loss loss_fn returns first" if has_aux else "loss_fn"
+        which = " as the loss of its (loss, aux)" if has_aux else ""
         raise ValueError(
-            f"train_step: {which} must be a scalar tensor (the mean loss of this rank's "
-            f"batch) or a pair (sum, count), got {shape}. Reduce it, e.g. return "
+            f"train_step: loss_fn must return a scalar tensor (the mean loss of this rank's "
+            f"batch) or a pair (sum, count){which}, got {shape}. Reduce it, e.g. return "
             f"loss.mean(), or return (token_losses.sum(), (labels != -100).sum()) for the "
             f"token mean of the global batch."
         )
