@@ -6,6 +6,7 @@ layouts with explicit, differentiable collectives.
 """
 
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
+from ._loss import SumCount as SumCount
 from ._partition import combine as combine
 from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves
@@ -126,7 +127,6 @@ from .tp.styles import Style as Style
 from .tp.styles import VocabParallelEmbedding as VocabParallelEmbedding
 from .tp.styles import divide_by_tp as divide_by_tp
 from .train import DonatedStateError as DonatedStateError
-from .train import SumCount as SumCount
 from .train import TrainState as TrainState
 from .train import local_batch as local_batch
 from .train import train_step as train_step
