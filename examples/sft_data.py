@@ -226,7 +226,12 @@ class Batches:
     SIZE = 4096  # bytes of a saved position (a fixed shape, so a checkpoint can load into it)
 
     def position(self) -> torch.Tensor:
-        """Where the loader is, as a ``uint8[SIZE]`` tensor to save in a checkpoint."""
+        """Where the loader is, as a ``uint8[SIZE]`` tensor to save in a checkpoint.
+
+        A checkpoint stores a plain tensor once for all ranks, so this must be the same on
+        every rank, and it is: it holds the epoch and how many batches were read (the same
+        count on each rank), not which examples; each rank's sampler knows its own share.
+        """
         state = self.loader.state_dict() if self.iterator is not None else None
         data = pickle.dumps({"epoch": self.epoch, "loader": state})
         if len(data) + 4 > self.SIZE:
