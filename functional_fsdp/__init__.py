@@ -6,6 +6,7 @@ layouts with explicit, differentiable collectives.
 """
 
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
+from ._loss import SumCount as SumCount
 from ._partition import combine as combine
 from ._partition import partition as partition
 from ._tree import tree_leaves as tree_leaves
@@ -172,6 +173,7 @@ __all__ = [
     "SequenceParallel",
     "Sharded",
     "Style",
+    "SumCount",
     "TensorParallel",
     "TensorPeak",
     "TraceError",

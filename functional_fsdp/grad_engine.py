@@ -145,9 +145,12 @@ class Differentiator:
         )
 
     def grad_and_value(
-        self, fn: Callable[[Any, Any], torch.Tensor]
-    ) -> Callable[[Any, Any], tuple[Any, torch.Tensor]]:
-        def run(wrt: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        self, fn: Callable[[Any, Any], Any], *, has_aux: bool = False
+    ) -> Callable[[Any, Any], tuple[Any, Any]]:
+        """``torch.func.grad_and_value(fn, has_aux=has_aux)``: with ``has_aux``, ``fn``
+        returns ``(loss, aux)`` and the value is ``(loss, aux)``, ``aux`` detached."""
+
+        def run(wrt: Any, batch: Any) -> tuple[Any, Any]:
             if self.chosen is None:  # "auto", first call: a look at the module
                 reason = reason_up_front(self.module)
                 if reason is not None:
@@ -155,11 +158,11 @@ class Differentiator:
                 else:
                     self.chosen = "func"
             if self.chosen == "autograd":
-                return autograd_grad_and_value(fn, wrt, batch)
+                return autograd_grad_and_value(fn, wrt, batch, has_aux=has_aux)
             # torch.func: "func", or "auto" until it meets code it cannot transform
             state = random.get_state() if self.engine == "auto" else None
             try:
-                return torch.func.grad_and_value(fn)(wrt, batch)
+                return torch.func.grad_and_value(fn, has_aux=has_aux)(wrt, batch)
             except RuntimeError as error:
                 reason = _cannot_transform(error)
                 if reason is None:
@@ -174,15 +177,16 @@ class Differentiator:
                     ) from error
                 self._notice(reason)
                 random.set_state(state)  # the retry draws what the first attempt drew
-                return autograd_grad_and_value(fn, wrt, batch)
+                return autograd_grad_and_value(fn, wrt, batch, has_aux=has_aux)
 
         return run
 
 
 def autograd_grad_and_value(
-    fn: Callable[[Any, Any], torch.Tensor], wrt: Any, batch: Any
-) -> tuple[Any, torch.Tensor]:
-    """``torch.func.grad_and_value(fn)(wrt, batch)``, computed with plain autograd.
+    fn: Callable[[Any, Any], Any], wrt: Any, batch: Any, *, has_aux: bool = False
+) -> tuple[Any, Any]:
+    """``torch.func.grad_and_value(fn, has_aux=has_aux)(wrt, batch)``, computed with plain
+    autograd (``aux``, with ``has_aux``, comes back detached).
 
     The tensors of ``wrt`` (``Sharded`` leaves: their local shards) are replaced by detached
     leaf copies that require grad; ``backward()`` runs without ``inputs=`` (so that reentrant
@@ -192,7 +196,8 @@ def autograd_grad_and_value(
     tensors, spec = torch_pytree.tree_flatten(wrt)
     leaves = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t for t in tensors]
     with torch.enable_grad():
-        loss = fn(torch_pytree.tree_unflatten(leaves, spec), batch)
+        out = fn(torch_pytree.tree_unflatten(leaves, spec), batch)
+        loss, aux = out if has_aux else (out, None)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             with _grads_kept(loss, {id(x) for x in leaves}):
                 torch.autograd.backward(loss)
@@ -202,7 +207,13 @@ def autograd_grad_and_value(
         else x
         for x in leaves
     ]
-    return torch_pytree.tree_unflatten(grads, spec), loss.detach()
+    grad_tree = torch_pytree.tree_unflatten(grads, spec)
+    if has_aux:
+        detached = torch_pytree.tree_map(
+            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux
+        )
+        return grad_tree, (loss.detach(), detached)
+    return grad_tree, loss.detach()
 
 
 class _grads_kept:

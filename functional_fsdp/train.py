@@ -14,7 +14,10 @@ donation. The optimizer gets donation, the gradient norm and finiteness as argum
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
+import operator
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -24,10 +27,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import rng as random
+from ._loss import Outputs, loss_parts, reduce_outputs, to_token_mean
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
 from .distributed import agreement, process
-from .distributed import collectives as C
 from .distributed.axes import data_axes_of
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
@@ -590,18 +593,8 @@ def _check_all_trainable(model: FSDP, params: Any) -> None:
         _refuse_frozen("train_step", [n for n in frozen if n in present], "module")
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(
-            f"train_step: loss_fn must return a scalar tensor (the mean loss of this rank's "
-            f"batch), got {shape}. Reduce it, e.g. return loss.mean()."
-        )
-    return loss
-
-
 def train_step(
-    loss_fn: Callable[[Any, Batch], torch.Tensor],
+    loss_fn: Callable[[Any, Batch], Any],
     optimizer: GradientTransformation,
     *,
     model: FSDP | None = None,
@@ -613,6 +606,7 @@ def train_step(
     donate: bool = False,
     randomness: Literal["per_rank", "global_batch"] = "per_rank",
     engine: Engine = "auto",
+    has_aux: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -634,13 +628,22 @@ def train_step(
     :func:`~functional_fsdp.clip_by_global_norm` then uses instead of all-reducing another).
 
     Args:
-        loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss of a batch, running the
-            model with :meth:`FSDP.apply` (which reduces gradients over the data axes). The
-            step's loss and gradient are the mean over data-parallel ranks (and
-            micro-batches) of ``loss_fn``'s, as DDP and FSDP2 give: the global batch's mean
-            when every share counts the same number of items. A per-token mean over shares
-            with different numbers of counted tokens (padding, labels of -100) is weighted
-            per share, not per token.
+        loss_fn: ``loss_fn(params, batch)``, running the model with :meth:`FSDP.apply`
+            (which reduces gradients over the data axes), returns either
+
+            * a scalar, the mean loss of its batch: the step's loss and gradient are the
+              mean over data-parallel ranks and micro-batches of ``loss_fn``'s, as DDP and
+              FSDP2 give; the global batch's mean when every share counts the same number
+              of items;
+            * or a pair ``(sum, count)`` (or a :class:`SumCount`), e.g. the summed cross
+              entropy of the tokens whose label is not -100 and their number: the step's
+              loss and gradient are then the sum over every data-parallel rank and
+              micro-batch divided by the total count, which is the token mean one process
+              computes on the global batch (Hugging Face Trainer's default,
+              ``average_tokens_across_devices=True``), however unevenly the tokens fall
+              into shares. ``metrics["count"]`` is the total. It costs no extra collective:
+              the count rides in the all-reduce that averages the loss.
+
         optimizer: a :class:`GradientTransformation`, e.g. ``chain(clip_by_global_norm(1.0),
             adamw(3e-4))``.
         model: the :class:`FSDP` description (mesh, data axes, policy). Needed for
@@ -691,10 +694,18 @@ def train_step(
             when ``torch.func`` raises on code it cannot transform (the failed attempt's
             forward is wasted once); either way it warns once
             (:class:`~functional_fsdp.grad_engine.AutogradFallbackWarning`).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``, ``loss`` as above and ``aux`` a pytree
+            of tensors (JAX's ``has_aux``), returned as ``metrics["aux"]``, reduced over the
+            data ranks and micro-batches in the same all-reduce as the loss: a
+            :class:`SumCount` leaf becomes its global sum over its global count (as a
+            ``(sum, count)`` loss); any other tensor is averaged over ranks and
+            micro-batches (as a scalar loss), returned in its shape, in its dtype if
+            floating, else in float32.
 
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
-        ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
+        ``model=``), ``count`` (for a ``(sum, count)`` loss: the total count), ``aux``
+        (with ``has_aux``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
         ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
         and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
@@ -746,6 +757,8 @@ def train_step(
         raise ValueError(
             f"train_step: accumulate_mode must be 'reduce_each' or 'local', got {accumulate_mode!r}"
         )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"train_step: has_aux must be True or False, got {has_aux!r}.")
     if randomness not in ("per_rank", "global_batch"):
         raise ValueError(
             f"train_step: randomness must be 'per_rank' or 'global_batch', got {randomness!r}."
@@ -757,186 +770,287 @@ def train_step(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
             "(needed for batch='global' and accumulate_mode='local')."
         )
-    differentiate = Differentiator(engine, None if model is None else model.module)
-
-    def stream(key: torch.Tensor | None) -> Callable[[int], Any]:
-        return lambda i: _micro_batch_stream(key, i, model, randomness)
-
-    def grads_and_loss(
-        split: _Split, local: Batch, whose: str, key: torch.Tensor | None
-    ) -> tuple[list[Any], torch.Tensor]:
-        """Gradients of the trainable leaves only: frozen ones are never differentiated."""
-        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
-        base = split.leaves
-        train = split.train_leaves
-        pullback = None
-        if accumulate_mode == "local" and model is not None:
-            frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
-            base = list(base)
-            for i, v in zip(split.frozen_index, frozen):
-                base[i] = v
-            train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
-
-        def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            if pullback is None:
-                return _check_loss(loss_fn(split.full(t, base), b))
-            # Gathered over the data axes already: the pullback reduces the gradients once.
-            with step_inputs.given(model, reduce=False):
-                return _check_loss(loss_fn(split.full(t, base), b))
-
-        total, loss = _value_and_grads(checked, train, micro, stream(key), differentiate)
-        if pullback is not None:
-            (total,) = pullback(total)
-        return total, loss
-
-    def zero_grads_and_loss(
-        split: _Split,
-        local: Batch,
-        layout: tuple[tuple[str, P], ...],
-        whose: str,
-        key: torch.Tensor | None,
-    ) -> tuple[list[Sharded], list[Sharded], torch.Tensor]:
-        """ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters
-        each unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
-        gradients, summed over the micro-batches, reduce-scattered once at the end."""
-        zero_model = typing.cast(FSDP, model)  # _is_zero said there is one
-        replicas = split.train_leaves
-        shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
-        micro = split_batch(local, accumulate, whose=whose) if accumulate > 1 else [local]
-
-        def checked(t: list[Any], b: Batch) -> torch.Tensor:
-            if accumulate_mode == "local":  # full gradients, reduce-scattered once below
-                inputs = step_inputs.given(zero_model, reduce=False)
-            else:  # the shards being differentiated, as apply will see them: their replicas
-                inputs = step_inputs.given(
-                    zero_model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
-                )
-            with inputs:
-                return _check_loss(loss_fn(split.full(t), b))
-
-        wrt = replicas if accumulate_mode == "local" else shards
-        total, loss = _value_and_grads(checked, wrt, micro, stream(key), differentiate)
-        if accumulate_mode == "local":
-            names = [name for name, _ in layout]
-            total = reduce_to_shards(total, shards, names, zero_model.data_axes, zero_model.policy)
-        return shards, total, loss
-
+    cfg = _Config(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        model=model,
+        batch=batch,
+        accumulate=accumulate,
+        accumulate_mode=accumulate_mode,
+        opt_specs=opt_specs,
+        learning_rate=learning_rate,
+        donate=donate,
+        randomness=randomness,
+        has_aux=has_aux,
+        differentiate=Differentiator(engine, None if model is None else model.module),
+    )
     checked_batch: list[bool] = []  # whether a call compared the ranks' global batches
 
     def step(state: TrainState, data: Batch) -> tuple[TrainState, Metrics]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
-                f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
-                f"state each step returns to the next."
-            )
-        params, opt_state, count = state.params, state.opt_state, state.step
-        if model is not None:
-            check_alive(model.mesh, "train_step")
-        base_key = state.rng  # never donated: the new state shares it
-        if model is not None and state.trainable is None:
-            _check_all_trainable(model, params)
-        _check_not_empty(data)
-        whose = "this rank's batch (batch='local')"
-        local = data
-        if batch == "global" and model is not None:
-            if not checked_batch:  # the first call: a step that loads per-rank data
-                _check_same_global_batch(data, model.mesh)
-                checked_batch.append(True)
-            local = local_batch(data, model.mesh, model.data_axes, where="train_step")
-            whose = _share_description(data, model)
-        split = _Split(params, state.trainable)
-        _check_differentiable(
-            [split.paths[i] for i in split.index],
-            split.train_leaves,
-            "train_step",
-            state.trainable is None,
-        )
-        layout = _opt_layout(state, split, opt_specs)
-        zero = layout is not None and _is_zero(model, split, layout)
-        # Traced by ff.jit, the key has no value to seed a generator with; a traced step
-        # that draws random numbers is refused there.
-        traced = base_key is None or random.traced(base_key)
-        key = None if traced else random.fold_in(base_key, int(count))
-        at_rest = None
-        if zero:  # ZeRO-1/2: gradients reduce-scattered to the shards, params gathered after
-            shard_leaves, grad_leaves, loss = zero_grads_and_loss(split, local, layout, whose, key)
-            train = split.train_def.unflatten(shard_leaves)
-            grads = split.train_def.unflatten(grad_leaves)
-        else:
-            grad_leaves, loss = grads_and_loss(split, local, whose, key)
-            grads = split.train_def.unflatten(grad_leaves)
-            train = split.train
-            if layout is not None:  # another layout: slice gradients and params to it
-                at_rest = optree.tree_map(
-                    lambda v: v.spec if isinstance(v, Sharded) else None,
-                    train,
-                    is_leaf=lambda v: isinstance(v, Sharded),
-                    none_is_leaf=True,
-                )
-                grads = reshard(grads, split.train_def.unflatten(layout), check=False)
-                train = reshard(train, split.train_def.unflatten(layout), check=False)
-        norm = global_norm(grads)
-        if model is not None:
-            loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
-        finite = torch.isfinite(loss) & torch.isfinite(norm)
-        given_lr = None  # train_step(learning_rate=...): computed before anything is written
-        if learning_rate is not None:
-            given_lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        if donate:  # dead before the first in-place write: a failure below cannot be retried
-            state._donated_at = count
-        # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
-        # the same on every rank: the global norm, and the all-reduced loss's finiteness.
-        extra = {
-            "finite": finite if model is not None else torch.isfinite(norm),
-            "grad_norm": norm,  # clip_by_global_norm's: computed once per step
-            "donate": donate,
-        }
-        updates, new_opt_state = call_update(optimizer, grads, opt_state, train, extra)
-        in_place = donate and not zero  # ZeRO's shards are the step's own copies
-        if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
-            new_train = _from_masters(train, new_opt_state.master, in_place)
-        elif in_place:
-            new_train = _apply_in_place(train, updates)
-        else:
-            new_train = apply_updates(train, updates)
-        if donate:
-            new_opt_state = _donate_into(opt_state, new_opt_state)
-        if zero:  # one bucketed all-gather of the updated shards (into the old replicas)
-            new_leaves = gather_replicas(
-                split.train_def.flatten_up_to(new_train),
-                split.train_leaves,
-                [name for name, _ in layout],
-                model.data_axes,
-                into=donate,
-            )
-            new_train = split.train_def.unflatten(new_leaves)
-        elif at_rest is not None:
-            new_train = reshard(new_train, at_rest, check=False)
-        # Frozen leaves are the input's own objects: never copied, never written.
-        new_params = split.full(split.train_def.flatten_up_to(new_train))
-        new_state = TrainState(
-            new_params,
-            new_opt_state,
-            count + 1,
-            state.trainable,
-            opt_specs=state.opt_specs,
-            rng=base_key,
-        )
-        # What the optimizer state records about this update (the learning rate it applied,
-        # apply_if_finite's skips): read from the new state, copied if the next donated step
-        # would write into it.
-        records = {
-            k: v.clone() if donate and isinstance(v, torch.Tensor) else v
-            for k, v in metrics_of(new_opt_state).items()
-        }
-        lr = records.pop("lr", float("nan"))
-        if given_lr is not None:
-            lr = given_lr
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite, **records}
-        return new_state, {k: _one_value(v) for k, v in metrics.items()}
+        return _step(cfg, checked_batch, state, data)
 
     return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The arguments of one ``train_step``, checked: what each of its steps reads."""
+
+    loss_fn: Callable[[Any, Batch], Any]
+    optimizer: GradientTransformation
+    model: FSDP | None
+    batch: str
+    accumulate: int
+    accumulate_mode: str
+    opt_specs: Any
+    learning_rate: float | Schedule | None
+    donate: bool
+    randomness: str
+    has_aux: bool
+    differentiate: Differentiator  # remembers the engine "auto" chose
+
+    def loss(self, params: Any, batch: Batch) -> tuple[torch.Tensor, tuple[Any, Any]]:
+        """``loss_fn(params, batch)`` as ``(value to differentiate, (count, aux))``: all
+        tensors, as ``torch.func``'s ``has_aux`` takes them (``()`` for none)."""
+        value, count, aux = loss_parts(self.loss_fn(params, batch), self.has_aux)
+        as_tensors = functools.partial(
+            optree.tree_map,
+            lambda x: x if isinstance(x, torch.Tensor) else torch.as_tensor(x),
+            namespace=NAMESPACE,
+        )
+        return value, (
+            () if count is None else as_tensors(count),
+            () if aux is None else as_tensors(aux),
+        )
+
+    def stream(self, key: torch.Tensor | None) -> Callable[[int], Any]:
+        """Micro-batch ``i``'s random stream, from this step's key."""
+        return lambda i: _micro_batch_stream(key, i, self.model, self.randomness)
+
+
+class _PathResult(typing.NamedTuple):
+    """What a step path (:func:`_fsdp_path`, :func:`_zero_path`) hands the shared update."""
+
+    train: Any  # the trainable values the optimizer updates (its layout)
+    grads: Any  # their gradients, reduced over the data axes, in the same layout
+    outputs: Outputs  # loss_fn's, summed over this rank's micro-batches
+    restore: Callable[[Any], Any]  # updated values -> the parameters' at-rest layout
+    in_place: bool  # whether donation may write the update into ``train``
+
+
+def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batch) -> Any:
+    """One step: this rank's share and micro-batches, the gradients by the path the state's
+    layout asks for (:func:`_fsdp_path` or :func:`_zero_path`), then the shared update."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"step(state, batch) takes a TrainState, got {type(state).__name__}; make one "
+            f"with ff.TrainState.create(params, optimizer, trainable=...) and pass the "
+            f"state each step returns to the next."
+        )
+    model = cfg.model
+    params, count = state.params, state.step
+    if model is not None:
+        check_alive(model.mesh, "train_step")
+    base_key = state.rng
+    if model is not None and state.trainable is None:
+        _check_all_trainable(model, params)
+    _check_not_empty(data)
+    whose = "this rank's batch (batch='local')"
+    local = data
+    if cfg.batch == "global" and model is not None:
+        if not checked_batch:  # the first call: a step that loads per-rank data
+            _check_same_global_batch(data, model.mesh)
+            checked_batch.append(True)
+        local = local_batch(data, model.mesh, model.data_axes, where="train_step")
+        whose = _share_description(data, model)
+    split = _Split(params, state.trainable)
+    _check_differentiable(
+        [split.paths[i] for i in split.index],
+        split.train_leaves,
+        "train_step",
+        state.trainable is None,
+    )
+    layout = _opt_layout(state, split, cfg.opt_specs)
+    # Traced by ff.jit, the key has no value to seed a generator with; a traced step
+    # that draws random numbers is refused there.
+    traced = base_key is None or random.traced(base_key)
+    key = None if traced else random.fold_in(base_key, int(count))
+    micro = split_batch(local, cfg.accumulate, whose=whose) if cfg.accumulate > 1 else [local]
+    if layout is not None and _is_zero(model, split, layout):
+        path = _zero_path(cfg, split, micro, layout, key)
+    else:
+        path = _fsdp_path(cfg, split, micro, layout, key)
+    return _update(cfg, state, split, path)
+
+
+def _fsdp_path(
+    cfg: _Config,
+    split: _Split,
+    micro: list[Batch],
+    layout: tuple[tuple[str, P], ...] | None,
+    key: torch.Tensor | None,
+) -> _PathResult:
+    """FSDP, ``shard_grad_op``, DDP, HSDP and TP: the gradients of the trainable leaves as
+    :meth:`FSDP.apply` reduces them, per unit (``reduce_each``), or once per step over the
+    whole model (``accumulate_mode="local"``: the parameters gathered once, the gradient
+    rule as :func:`to_compute_layout`'s pullback). Frozen leaves are never differentiated.
+    With an optimizer layout of its own (not ZeRO's), gradients and parameters are resharded
+    to it for the update and the updated parameters back to their at-rest layout."""
+    model = cfg.model
+    base = split.leaves
+    train = split.train_leaves
+    pullback = None
+    if cfg.accumulate_mode == "local" and model is not None:
+        frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
+        base = list(base)
+        for i, v in zip(split.frozen_index, frozen):
+            base[i] = v
+        train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
+
+    def checked(t: list[Any], b: Batch) -> tuple[torch.Tensor, Any]:
+        if pullback is None:
+            return cfg.loss(split.full(t, base), b)
+        # Gathered over the data axes already: the pullback reduces the gradients once.
+        with step_inputs.given(model, reduce=False):
+            return cfg.loss(split.full(t, base), b)
+
+    total, outputs = _value_and_grads(checked, train, micro, cfg.stream(key), cfg.differentiate)
+    if pullback is not None:
+        (total,) = pullback(total)
+    grads = split.train_def.unflatten(total)
+    values = split.train
+    if layout is None:
+        return _PathResult(values, grads, outputs, lambda new: new, in_place=True)
+    at_rest = optree.tree_map(
+        lambda v: v.spec if isinstance(v, Sharded) else None,
+        values,
+        is_leaf=lambda v: isinstance(v, Sharded),
+        none_is_leaf=True,
+    )
+    opt_layout = split.train_def.unflatten(layout)
+    return _PathResult(
+        reshard(values, opt_layout, check=False),
+        reshard(grads, opt_layout, check=False),
+        outputs,
+        lambda new: reshard(new, at_rest, check=False),
+        in_place=True,
+    )
+
+
+def _zero_path(
+    cfg: _Config,
+    split: _Split,
+    micro: list[Batch],
+    layout: tuple[tuple[str, P], ...],
+    key: torch.Tensor | None,
+) -> _PathResult:
+    """ZeRO-1/2: parameters replicated over the data axes at rest, the optimizer on shards.
+
+    ZeRO-2 (``reduce_each``): the engine computes with the replicas and reduce-scatters each
+    unit's gradients onto the shards during the backward. ZeRO-1 (``local``): full
+    gradients, summed over the micro-batches, reduce-scattered once at the end. The update
+    is on the shards (local copies, so never written in place), and one bucketed all-gather
+    brings the updated shards back into replicas."""
+    model = typing.cast(FSDP, cfg.model)  # _is_zero said there is one
+    names = [name for name, _ in layout]
+    replicas = split.train_leaves
+    shards = slice_to_shards(replicas, [spec for _, spec in layout])  # local copies
+
+    def checked(t: list[Any], b: Batch) -> tuple[torch.Tensor, Any]:
+        if cfg.accumulate_mode == "local":  # full gradients, reduce-scattered once below
+            inputs = step_inputs.given(model, reduce=False)
+        else:  # the shards being differentiated, as apply will see them: their replicas
+            inputs = step_inputs.given(
+                model, replicas={id(s.local): r.local for s, r in zip(t, replicas)}
+            )
+        with inputs:
+            return cfg.loss(split.full(t), b)
+
+    wrt = replicas if cfg.accumulate_mode == "local" else shards
+    total, outputs = _value_and_grads(checked, wrt, micro, cfg.stream(key), cfg.differentiate)
+    if cfg.accumulate_mode == "local":
+        total = reduce_to_shards(total, shards, names, model.data_axes, model.policy)
+
+    def restore(new: Any) -> Any:  # one bucketed all-gather (into the old replicas if donated)
+        leaves = split.train_def.flatten_up_to(new)
+        gathered = gather_replicas(leaves, replicas, names, model.data_axes, into=cfg.donate)
+        return split.train_def.unflatten(gathered)
+
+    return _PathResult(
+        split.train_def.unflatten(shards),
+        split.train_def.unflatten(total),
+        outputs,
+        restore,
+        in_place=False,  # the shards are the step's own copies
+    )
+
+
+def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -> Any:
+    """The steps every path shares: the loss (and count, aux) over the data ranks, the
+    gradients of a (sum, count) loss divided by the global count, the global gradient norm
+    and finiteness, the optimizer update (donated, or from fp32 masters), the parameters
+    back at rest, the new state and the metrics."""
+    model, donate = cfg.model, cfg.donate
+    opt_state, count, key = state.opt_state, state.step, state.rng  # read before donation
+    loss, items, aux = reduce_outputs(model, path.outputs)
+    grads = path.grads
+    if items is not None:
+        grads = to_token_mean(model, grads, path.outputs.parts, items)
+    norm = global_norm(grads)
+    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    given_lr = None  # train_step(learning_rate=...): computed before anything is written
+    if cfg.learning_rate is not None:
+        lr_ = cfg.learning_rate
+        given_lr = lr_(count) if callable(lr_) else lr_
+    if donate:  # dead before the first in-place write: a failure below cannot be retried
+        state._donated_at = count
+    # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
+    # the same on every rank: the global norm, and the all-reduced loss's finiteness.
+    extra = {
+        "finite": finite if model is not None else torch.isfinite(norm),
+        "grad_norm": norm,  # clip_by_global_norm's: computed once per step
+        "donate": donate,
+    }
+    train = path.train
+    updates, new_opt_state = call_update(cfg.optimizer, grads, opt_state, train, extra)
+    in_place = donate and path.in_place
+    if isinstance(new_opt_state, MasterWeightsState):  # the masters, cast: bit-exact
+        new_train = _from_masters(train, new_opt_state.master, in_place)
+    elif in_place:
+        new_train = _apply_in_place(train, updates)
+    else:
+        new_train = apply_updates(train, updates)
+    if donate:
+        new_opt_state = _donate_into(opt_state, new_opt_state)
+    new_train = path.restore(new_train)
+    # Frozen leaves are the input's own objects: never copied, never written.
+    new_params = split.full(split.train_def.flatten_up_to(new_train))
+    new_state = TrainState(
+        new_params,
+        new_opt_state,
+        count + 1,
+        state.trainable,
+        opt_specs=state.opt_specs,
+        rng=key,  # never donated: the new state shares it
+    )
+    # What the optimizer state records about this update (the learning rate it applied,
+    # apply_if_finite's skips): read from the new state, copied if the next donated step
+    # would write into it.
+    records = {
+        k: v.clone() if donate and isinstance(v, torch.Tensor) else v
+        for k, v in metrics_of(new_opt_state).items()
+    }
+    lr = records.pop("lr", float("nan"))
+    if given_lr is not None:
+        lr = given_lr
+    metrics: dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr, "finite": finite}
+    if items is not None:
+        metrics["count"] = items
+    metrics.update(records)
+    metrics = {k: _one_value(v) for k, v in metrics.items()}
+    if cfg.has_aux:
+        metrics["aux"] = optree.tree_map(_one_value, aux, namespace=NAMESPACE)
+    return new_state, metrics
 
 
 def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
@@ -946,30 +1060,38 @@ def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:
 
 
 def _value_and_grads(
-    fn: Callable[[list[Any], Batch], torch.Tensor],
+    fn: Callable[[list[Any], Batch], tuple[torch.Tensor, Any]],
     wrt: list[Any],
     micro: list[Batch],
     stream: Callable[[int], contextlib.AbstractContextManager[Any]],
     differentiate: Differentiator,
-) -> tuple[list[Any], torch.Tensor]:
-    """The one place a step differentiates: the gradients of ``fn(wrt, micro_batch)`` with
+) -> tuple[list[Any], Outputs]:
+    """The one place a step differentiates and accumulates: the gradients of
+    ``fn(wrt, micro_batch)`` (its value; ``fn`` returns ``(value, (count, aux))``) with
     respect to ``wrt`` (``torch.func.grad_and_value``, or autograd: ``differentiate``'s
-    engine), averaged over the micro-batches, and
-    the mean loss (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
+    engine), averaged over the micro-batches, and ``fn``'s outputs summed over them
+    (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
 
     Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
     that computes them is this function's business alone.
     """
-    total, loss_sum = None, 0.0
+    total, value, items, aux = None, None, None, None
+    add = functools.partial(optree.tree_map, torch.add, namespace=NAMESPACE)
     for i, mb in enumerate(micro):
         with stream(i):
-            g, loss = differentiate.grad_and_value(fn)(wrt, mb)
-        total = g if total is None else optree.tree_map(torch.add, total, g, namespace=NAMESPACE)
-        loss_sum = loss_sum + loss.detach()
+            g, (v, (c, a)) = differentiate.grad_and_value(fn, has_aux=True)(wrt, mb)
+        total = g if total is None else add(total, g)
+        v = v.detach()
+        value = v if value is None else value + v
+        if isinstance(c, torch.Tensor):
+            items = c if items is None else items + c
+        if not (type(a) is tuple and not a):  # () stands for no aux
+            aux = a if aux is None else optree.tree_map(operator.add, aux, a)
     if len(micro) > 1:
         n = len(micro)
         total = optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
-    return typing.cast(list[Any], total), loss_sum / len(micro)
+    outputs = Outputs(typing.cast(torch.Tensor, value), items, aux, len(micro))
+    return typing.cast(list[Any], total), outputs
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:

@@ -27,7 +27,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "engines",
         ("formats", "fsdp", "tp", "optim"),
     ),  # FSDP.apply, TP, optimizers, quantized formats
-    ("steps", ("grad_engine", "train", "checkpoint", "models", "compiled", "_inductor_passes")),
+    (
+        "steps",
+        ("grad_engine", "_loss", "train", "checkpoint", "models", "compiled", "_inductor_passes"),
+    ),
     ("planner", ("planner",)),  # prices strategies by running the engines
     ("tools", ("display", "plot", "launcher")),  # pictures, the process launcher
     ("api", ("",)),  # functional_fsdp/__init__.py: re-exports everything

@@ -7,6 +7,12 @@ A trainable parameter's gradient is reduced over every data-parallel mesh axis:
 * and, under ``Policy(grad_reduce="mean")``, divided by the number of data ranks, so that the
   loss is the mean over the global batch.
 
+A loss given as ``(sum, count)`` (``train_step``) is divided by the global count instead:
+the step multiplies the reduced gradients, averaged over its micro-batches and divided by
+:func:`mean_divisor`, by ``micro-batches × mean_divisor / global count``, once, after the
+count's all-reduce (the count is known only after every micro-batch's forward). The result
+is the gradient of the global sum over the global count, whatever ``grad_reduce`` says.
+
 Model axes (tp) get nothing from the library: the tensor-parallel collectives in the forward
 already make those gradients right. Frozen parameters get no gradient and no reduction.
 

@@ -23,7 +23,7 @@ device with :func:`~functional_fsdp.distributed.simulate.per_coordinate`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +259,7 @@ def vocab_parallel_cross_entropy(
     axis: str = "tp",
     *,
     ignore_index: int = -100,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> torch.Tensor:
     """Mean cross entropy over logits split along the vocabulary (last dim) over ``axis``.
 
@@ -274,6 +275,9 @@ def vocab_parallel_cross_entropy(
         mesh: the mesh.
         axis: the tensor-parallel axis.
         ignore_index: targets with this value do not count.
+        reduction: ``"mean"`` over the counted targets, or ``"sum"`` (as
+            ``F.cross_entropy``'s): with the count ``(targets != ignore_index).sum()``, the
+            ``(sum, count)`` loss of ``train_step``, whose step divides by the global count.
 
     Example:
         >>> import torch, torch.nn.functional as F, functional_fsdp as ff
@@ -284,6 +288,10 @@ def vocab_parallel_cross_entropy(
         ...     torch.allclose(ff.rank_values(loss)[0], F.cross_entropy(full, tgt))
         True
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}."
+        )
     _size(mesh, axis, "vocab_parallel_cross_entropy")
     vocab = logits.shape[-1]
     logits = logits.reshape(-1, vocab).float()
@@ -299,4 +307,6 @@ def vocab_parallel_cross_entropy(
     losses = sum_exp.log() - target_logit
     valid = targets != ignore_index
     losses = torch.where(valid, losses, torch.zeros_like(losses))
+    if reduction == "sum":
+        return losses.sum()
     return losses.sum() / valid.sum().clamp(min=1)

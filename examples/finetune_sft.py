@@ -1,0 +1,188 @@
+"""Supervised fine-tuning (SFT) with LoRA, fully sharded: chat data, the prompt masked, padded
+or packed, the token mean of the global batch as the loss, a resumable sharded loader.
+
+1. Data: a JSON-lines file of chat ``messages`` (``--data``; without it a small instruction
+   set is written), formatted with the tokenizer's chat template; only the assistant's answer
+   is labelled (the prompt's labels are -100). Each data rank reads its own share of every
+   epoch (torchdata's ``StatefulDataLoader`` over a ``DistributedSampler``): the batches of
+   different ranks differ in length and in counted tokens.
+2. Batches: ``--batching pad`` pads each rank's batch to its longest sequence;
+   ``--batching pack`` packs it into rows of ``--pack-length`` tokens, with per-document
+   ``position_ids`` and a block-diagonal causal mask, so attention never crosses documents.
+3. The loss: ``loss_fn`` returns ``(sum of the answer tokens' cross entropy, their count)``,
+   so the step's loss and gradient are the global sum over the global count: the token mean
+   of the global batch, as one process computes it and as Hugging Face's Trainer does by
+   default (``average_tokens_across_devices=True``). Padding and packing give the same loss.
+4. Checkpoints hold the train state and the loader's position, so ``--resume`` reads exactly
+   the batches the uninterrupted run would and ends on its loss, bit for bit.
+5. ``--quantize nf4``: the QLoRA recipe of ``examples/finetune_lora.py`` on the same data.
+
+Nothing is downloaded: a tokenizer is trained on the data (with a chat template) and a small
+Llama built from a config stands in for a pretrained checkpoint.
+
+    torchrun --nproc-per-node 2 examples/finetune_sft.py
+    torchrun --nproc-per-node 2 examples/finetune_sft.py --batching pack --resume
+    torchrun --nproc-per-node 2 examples/finetune_sft.py --quantize nf4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+import sft_data
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from chardata import add_device_arg
+from finetune_lora import bnb_config, lora_init, tiny_llama
+from tqdm import tqdm
+
+import functional_fsdp as ff
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_arg(p)
+    p.add_argument("--data", default=None, help="a local .jsonl of {'messages': [...]}")
+    p.add_argument("--examples", type=int, default=256, help="examples written without --data")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8, help="examples per rank and step")
+    p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    p.add_argument("--batching", choices=("pad", "pack"), default="pad")
+    p.add_argument("--pack-length", type=int, default=64, help="tokens per packed row")
+    p.add_argument("--max-length", type=int, default=64, help="longest example (tokens)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--quantize", choices=("none", "nf4", "fp4"), default="none")
+    p.add_argument("--checkpoint-dir", default="checkpoints/finetune_sft")
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str]:
+    """The data file and a folder holding the tokenizer and the tiny Llama (rank 0 writes)."""
+    from transformers import AutoTokenizer
+
+    data = args.data
+    name = f"ff-sft-{args.examples}-{args.seed}"
+    if data is not None:  # a tokenizer for this file
+        stat = os.stat(data)
+        name = f"ff-sft-data-{stat.st_size}-{int(stat.st_mtime)}"
+    folder = os.path.join(tempfile.gettempdir(), name)
+    if data is None:
+        data = os.path.join(folder, "instructions.jsonl")
+    if rank == 0 and not os.path.exists(os.path.join(folder, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        if args.data is None:
+            sft_data.write_instructions(data, args.examples, args.seed)
+        sft_data.chat_tokenizer(sft_data.read_instructions(data), folder)
+        tiny_llama(folder, vocab_size=-(-len(AutoTokenizer.from_pretrained(folder)) // 8) * 8)
+    dist.barrier()
+    return data, folder
+
+
+def main() -> None:
+    args = parse_args()
+    device = ff.init_distributed(device_type=args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    # 1. Data: chat-formatted, prompt masked, this rank's share, padded or packed.
+    data, path = prepare(args, rank)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    examples = [
+        sft_data.encode(m, tokenizer, args.max_length) for m in sft_data.read_instructions(data)
+    ]
+    pad_id = tokenizer.pad_token_id
+    if args.batching == "pack":
+        collate = lambda b: sft_data.pack(b, args.pack_length, pad_id, args.accumulate)  # noqa: E731
+    else:
+        collate = lambda b: sft_data.pad(b, pad_id, args.accumulate)  # noqa: E731
+    batches = sft_data.Batches(examples, args.batch_size, collate, rank, world, args.seed)
+
+    # 2. The model on meta, LoRA adapters (QLoRA with --quantize), sharded over the ranks.
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config)
+    quantized = args.quantize != "none"
+    if quantized:
+        from peft import prepare_model_for_kbit_training
+        from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+        base = replace_with_bnb_linear(
+            base, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(args)
+        )
+        base.gradient_checkpointing_enable()
+        base = prepare_model_for_kbit_training(base)
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear")
+    model = get_peft_model(base, lora)
+    mesh = ff.make_mesh({"dp": world}, device_type=device.type)
+    sm = ff.fsdp(model, mesh, policy=ff.Policy(activation_checkpointing=not quantized))
+    torch.manual_seed(args.seed)
+    params, buffers = ff.init_sharded(sm, init_fn=lora_init)
+    to_file = lambda name: name.removeprefix("base_model.model.").replace(".base_layer", "")  # noqa: E731
+    frozen = set(params) - sm.trainable
+    params.update(ff.checkpoint.load_safetensors(sm, path, rename=to_file, names=frozen))
+    optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(args.lr, weight_decay=0.0))
+
+    # 3. The token mean of the global batch: (sum, count), divided by the step.
+    def loss_fn(p: dict, batch: dict[str, torch.Tensor]) -> Any:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = sm.apply(p, **inputs, buffers=buffers).logits
+        labels = batch["labels"]
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return total, (labels != -100).sum()
+
+    step = ff.train_step(loss_fn, optimizer, model=sm, batch="local", accumulate=args.accumulate)
+    state = ff.TrainState.create(params, optimizer, trainable=sm)
+
+    # 4. Checkpoints of the state and the loader's position.
+    manager = ff.checkpoint.CheckpointManager(args.checkpoint_dir, save_every=args.save_every)
+    if args.resume and manager.latest_step() is not None:
+        saved = manager.restore({"state": state, "data": batches.position()})
+        state = saved["state"]
+        batches.restore(saved["data"])
+        if rank == 0:
+            print(f"resumed at step {state.step} from {args.checkpoint_dir}")
+    first, losses = state.step, []
+    real = slots = tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(range(state.step, args.steps), disable=rank != 0, desc="sft", unit="step")
+    for _ in bar:
+        batch = next(batches)
+        ids = batch["input_ids"]
+        real += int((ids != pad_id).sum())  # this rank's tokens that are not padding
+        slots += ids.numel()
+        state, metrics = step(state, {k: v.to(device) for k, v in batch.items()})
+        losses.append(metrics["loss"].item())
+        tokens += int(metrics["count"])  # counted (answer) tokens of the global batch
+        seconds = time.perf_counter() - start
+        bar.set_postfix(
+            loss=f"{losses[-1]:.3f}",
+            tok_s=f"{tokens / seconds:.0f}",
+            padding=f"{1 - real / slots:.0%}",
+        )
+        manager.save(state.step, {"state": state, "data": batches.position()})
+    manager.save(state.step, {"state": state, "data": batches.position()}, force=True)
+    manager.close()
+    if rank == 0 and losses:
+        print(
+            f"steps {first}..{state.step}: loss {losses[0]!r} -> {losses[-1]!r}; "
+            f"{tokens} answer tokens, {tokens / (time.perf_counter() - start):.0f} tokens/s, "
+            f"padding {1 - real / slots:.1%} of rank 0's slots ({args.batching})"
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
