@@ -784,7 +784,20 @@ def train_step(
                 base[i] = v
             train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
 
+        held: list[int] = []  # differentiated masters replicated over the data axes
+        if pullback is None and masters is not None and masters.wrt is not None:
+            data = set(typing.cast(FSDP, model).data_axes)
+            held = [
+                i
+                for i, p in enumerate(split.train_leaves)
+                if isinstance(p, Sharded) and not data & set(p.spec.axes)
+            ]
+
         def checked(t: list[Any], b: Batch) -> torch.Tensor:
+            if held:  # they compute with their parameters (the masters rounded): no casts
+                replicas = {id(t[i].local): split.train_leaves[i].local for i in held}
+                with step_inputs.given(model, replicas=replicas):
+                    return _check_loss(loss_fn(split.full(t, base), b))
             if pullback is None:
                 return _check_loss(loss_fn(split.full(t, base), b))
             # Gathered over the data axes already: the pullback reduces the gradients once.

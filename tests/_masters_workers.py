@@ -24,6 +24,7 @@ LR = 1e-2
 # name: (ff.fsdp kwargs, TrainState.create kwargs, train_step kwargs)
 STRATEGIES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "fsdp": ({}, {}, {}),
+    "ddp": (dict(specs=ff.P()), {}, {}),
     "fsdp_local": ({}, {}, dict(accumulate_mode="local")),
     "zero2": (dict(specs=ff.P()), dict(opt_specs=ff.P("dp")), {}),
     "zero1": (dict(specs=ff.P()), dict(opt_specs=ff.P("dp")), dict(accumulate_mode="local")),

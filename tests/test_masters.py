@@ -44,8 +44,9 @@ def test_llama_fsdp_with_masters_is_bitwise_fp32_params_computing_in_bf16(pools)
 
 
 @pytest.mark.multiprocess
-def test_zero_local_accumulation_and_jit_with_masters_are_bitwise_the_reference(pools):
+def test_ddp_zero_local_accumulation_and_jit_with_masters_are_bitwise_the_reference(pools):
     cases = [
+        ("gpt", "ddp", 2, FP32),
         ("gpt", "zero2", 16, FP32, 1),
         ("gpt", "zero1", 1, FP32),
         ("gpt", "zero1", 16, BF16, 1),
