@@ -37,10 +37,11 @@ from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import step_inputs
 from .fsdp.api import FSDP
 from .fsdp.gradients import to_compute_layout
+from .fsdp.layout import gather_dtype
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
 from .optim.clipping import global_norm
-from .optim.masters import MasterWeightsState
+from .optim.masters import MasterWeightsState, _widens
 from .optim.records import metrics_of
 from .optim.schedules import Schedule
 from .optim.transforms import GradientTransformation, apply_updates, call_update
@@ -876,10 +877,12 @@ def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batc
     traced = base_key is None or random.traced(base_key)
     key = None if traced else random.fold_in(base_key, int(count))
     micro = split_batch(local, cfg.accumulate, whose=whose) if cfg.accumulate > 1 else [local]
-    if layout is not None and _is_zero(model, split, layout):
-        path = _zero_path(cfg, split, micro, layout, key)
+    zero = layout is not None and _is_zero(model, split, layout)
+    masters = _masters_of(state.opt_state, split, model, layout, zero, cfg.accumulate_mode)
+    if zero:
+        path = _zero_path(cfg, split, micro, typing.cast(Any, layout), key, masters)
     else:
-        path = _fsdp_path(cfg, split, micro, layout, key)
+        path = _fsdp_path(cfg, split, micro, layout, key, masters)
     return _update(cfg, state, split, path)
 
 
@@ -889,16 +892,18 @@ def _fsdp_path(
     micro: list[Batch],
     layout: tuple[tuple[str, P], ...] | None,
     key: torch.Tensor | None,
+    masters: _Masters | None = None,
 ) -> _PathResult:
     """FSDP, ``shard_grad_op``, DDP, HSDP and TP: the gradients of the trainable leaves as
     :meth:`FSDP.apply` reduces them, per unit (``reduce_each``), or once per step over the
     whole model (``accumulate_mode="local"``: the parameters gathered once, the gradient
     rule as :func:`to_compute_layout`'s pullback). Frozen leaves are never differentiated.
     With an optimizer layout of its own (not ZeRO's), gradients and parameters are resharded
-    to it for the update and the updated parameters back to their at-rest layout."""
+    to it for the update and the updated parameters back to their at-rest layout.
+    ``masters``: what :func:`_masters_of` found; its ``wrt`` are differentiated instead."""
     model = cfg.model
     base = split.leaves
-    train = split.train_leaves
+    train = split.train_leaves if masters is None or masters.wrt is None else masters.wrt
     pullback = None
     if cfg.accumulate_mode == "local" and model is not None:
         frozen = _compute_layout(model, [base[i] for i in split.frozen_index])
@@ -907,14 +912,30 @@ def _fsdp_path(
             base[i] = v
         train, pullback = torch.func.vjp(lambda t: _compute_layout(model, t), train)
 
+    held: list[int] = []  # differentiated masters replicated over the data axes
+    if pullback is None and masters is not None and masters.wrt is not None:
+        data = set(typing.cast(FSDP, model).data_axes)
+        held = [
+            i
+            for i, p in enumerate(split.train_leaves)
+            if isinstance(p, Sharded) and not data & set(p.spec.axes)
+        ]
+
     def checked(t: list[Any], b: Batch) -> tuple[torch.Tensor, Any]:
+        if held:  # they compute with their parameters (the masters rounded): no casts
+            replicas = {id(t[i].local): split.train_leaves[i].local for i in held}
+            with step_inputs.given(model, replicas=replicas):
+                return cfg.loss(split.full(t, base), b)
         if pullback is None:
             return cfg.loss(split.full(t, base), b)
         # Gathered over the data axes already: the pullback reduces the gradients once.
         with step_inputs.given(model, reduce=False):
             return cfg.loss(split.full(t, base), b)
 
-    total, outputs = _value_and_grads(checked, train, micro, cfg.stream(key), cfg.differentiate)
+    widen = None if masters is None else masters.dtypes
+    total, outputs = _value_and_grads(
+        checked, train, micro, cfg.stream(key), cfg.differentiate, widen
+    )
     if pullback is not None:
         (total,) = pullback(total)
     grads = split.train_def.unflatten(total)
@@ -943,6 +964,7 @@ def _zero_path(
     micro: list[Batch],
     layout: tuple[tuple[str, P], ...],
     key: torch.Tensor | None,
+    masters: _Masters | None = None,
 ) -> _PathResult:
     """ZeRO-1/2: parameters replicated over the data axes at rest, the optimizer on shards.
 
@@ -967,9 +989,17 @@ def _zero_path(
             return cfg.loss(split.full(t), b)
 
     wrt = replicas if cfg.accumulate_mode == "local" else shards
-    total, outputs = _value_and_grads(checked, wrt, micro, cfg.stream(key), cfg.differentiate)
+    if masters is not None and masters.wrt is not None:  # ZeRO-2: the masters are the shards
+        wrt = masters.wrt
+    widen = None if masters is None else masters.dtypes
+    total, outputs = _value_and_grads(
+        checked, wrt, micro, cfg.stream(key), cfg.differentiate, widen
+    )
     if cfg.accumulate_mode == "local":
-        total = reduce_to_shards(total, shards, names, model.data_axes, model.policy)
+        # Onto the masters' layout and dtype when there are masters (their gradients reach
+        # them unrounded), else onto the shards'.
+        onto = shards if masters is None or masters.leaves is None else masters.leaves
+        total = reduce_to_shards(total, onto, names, model.data_axes, model.policy)
 
     def restore(new: Any) -> Any:  # one bucketed all-gather (into the old replicas if donated)
         leaves = split.train_def.flatten_up_to(new)
@@ -1065,12 +1095,15 @@ def _value_and_grads(
     micro: list[Batch],
     stream: Callable[[int], contextlib.AbstractContextManager[Any]],
     differentiate: Differentiator,
+    widen: list[torch.dtype] | None = None,
 ) -> tuple[list[Any], Outputs]:
     """The one place a step differentiates and accumulates: the gradients of
     ``fn(wrt, micro_batch)`` (its value; ``fn`` returns ``(value, (count, aux))``) with
     respect to ``wrt`` (``torch.func.grad_and_value``, or autograd: ``differentiate``'s
     engine), averaged over the micro-batches, and ``fn``'s outputs summed over them
     (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
+    ``widen``: per leaf of ``wrt``, the dtype micro-batch gradients are summed in when it is
+    wider than theirs (the masters' of :func:`~functional_fsdp.master_weights`).
 
     Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
     that computes them is this function's business alone.
@@ -1080,6 +1113,8 @@ def _value_and_grads(
     for i, mb in enumerate(micro):
         with stream(i):
             g, (v, (c, a)) = differentiate.grad_and_value(fn, has_aux=True)(wrt, mb)
+        if total is None and widen is not None and len(micro) > 1:
+            g = [_widened(x, d) for x, d in zip(g, widen)]
         total = g if total is None else add(total, g)
         v = v.detach()
         value = v if value is None else value + v
@@ -1130,6 +1165,110 @@ def _is_zero(model: FSDP | None, split: _Split, layout: tuple[tuple[str, P], ...
     if not all(isinstance(v, Sharded) and not data & set(v.spec.axes) for v in leaves):
         return False
     return any(data & set(spec.axes) for _, spec in layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masters:
+    """What a step does with the masters of a :func:`~functional_fsdp.master_weights` state.
+
+    ``dtypes``: per trainable leaf, its master's dtype: micro-batch gradients are summed in
+    it (Megatron's fp32 main gradients). ``leaves``: the masters, laid out as the step's
+    gradients land (ZeRO-1 reduce-scatters onto them, so their gradients arrive in their
+    dtype), or ``None``. ``wrt``: the masters the step differentiates instead of the
+    parameters, or ``None``: FSDP gathers them in the compute dtype (the values of the
+    parameters, which are the masters rounded) and the gradients, reduced in
+    ``reduce_dtype``, arrive in the masters' dtype, as with FSDP2's ``param_dtype``.
+    """
+
+    dtypes: list[torch.dtype]
+    leaves: list[Sharded] | None
+    wrt: list[Sharded] | None
+
+
+def _masters_of(
+    opt_state: Any,
+    split: _Split,
+    model: FSDP | None,
+    layout: tuple[tuple[str, P], ...] | None,
+    zero: bool,
+    accumulate_mode: str,
+) -> _Masters | None:
+    """The masters of ``opt_state`` (a :class:`MasterWeightsState`; else ``None``) and how
+    the step uses them (see :class:`_Masters`).
+
+    The masters are differentiated where gradients are reduced in a wider dtype than the
+    parameters' (``MixedPrecision(reduce_dtype=float32)`` with bf16 parameters): rounding
+    them to the parameters' dtype would lose what the reduction kept. Reduced in the
+    parameters' dtype, rounding loses nothing: the parameters are differentiated and their
+    gradients held as small. Raises where the masters would be needed and cannot be.
+    """
+    if not isinstance(opt_state, MasterWeightsState):
+        return None
+    try:
+        leaves = split.train_def.flatten_up_to(opt_state.master)
+    except (ValueError, TypeError):  # not laid out like the trainable parameters
+        return None
+    dtypes = [m.dtype for m in leaves]
+    if model is None:  # no reduction: only the sum over micro-batches is widened
+        return _Masters(dtypes, None, None)
+    specs = (
+        [spec for _, spec in layout]
+        if zero and layout is not None
+        else [getattr(p, "spec", None) for p in split.train_leaves]
+    )
+    placed = all(
+        isinstance(m, Sharded)
+        and isinstance(p, Sharded)
+        and spec is not None
+        and m.global_shape == p.global_shape
+        and m.spec.padded(len(m.global_shape)) == spec.padded(len(m.global_shape))
+        for m, p, spec in zip(leaves, split.train_leaves, specs)
+    )
+    if zero and accumulate_mode == "local":  # ZeRO-1: full gradients, reduced onto the masters
+        return _Masters(dtypes, leaves if placed else None, None)
+    mp = model.policy.mixed_precision
+    kept, reduce = opt_state.param_dtype, mp.reduce_dtype or mp.param_dtype
+    if reduce is None or reduce == kept or not _widens(kept, reduce):
+        return _Masters(dtypes, None, None)
+    problem = None if placed else "the masters are laid out unlike the parameters (opt_specs)"
+    expected = model.layout.expected
+    names = [dotted(split.paths[i]) for i in split.index]
+    for name, m, p in zip(names, leaves, split.train_leaves):
+        if problem is not None:
+            break
+        module_dtype = expected[name][2] if name in expected else None
+        if gather_dtype(m.dtype, mp.param_dtype) != gather_dtype(p.dtype, mp.param_dtype):
+            problem = (
+                f"params[{name!r}] is {p.dtype} and its master {m.dtype}, and the policy "
+                f"(MixedPrecision(param_dtype={mp.param_dtype})) would gather the master in "
+                f"{gather_dtype(m.dtype, mp.param_dtype)}"
+            )
+        elif module_dtype is None or m.dtype not in (module_dtype, mp.param_dtype):
+            problem = (
+                f"params[{name!r}]'s master is {m.dtype}, but "
+                f"{type(model.module).__name__}'s parameter is {module_dtype}"
+            )
+    if problem is None:
+        return _Masters(dtypes, leaves, leaves)
+    raise ValueError(
+        f"train_step: with ff.master_weights(param_dtype={kept}) and gradients reduced in "
+        f"{reduce} (the policy's MixedPrecision), the gradients would reach the masters "
+        f"rounded to {kept}. The step keeps them in the masters' dtype by differentiating "
+        f"the masters, which FSDP gathers in the policy's param_dtype, and it cannot here: "
+        f"{problem}. Build the module in the masters' dtype (e.g. float32) and give the "
+        f"policy MixedPrecision(param_dtype={kept}, reduce_dtype={reduce}), as FSDP2's "
+        f"param_dtype does; or reduce in {kept}."
+    )
+
+
+def _widened(g: Any, dtype: torch.dtype) -> Any:
+    """``g`` (a tensor or ``Sharded``) in ``dtype`` if that holds every value of its own."""
+    local = g.local if isinstance(g, Sharded) else g
+    if not isinstance(local, torch.Tensor) or local.dtype == dtype:
+        return g
+    if not (local.is_floating_point() and _widens(local.dtype, dtype)):
+        return g
+    return g.replace(local.to(dtype)) if isinstance(g, Sharded) else local.to(dtype)
 
 
 def _from_masters(train: Any, master: Any, in_place: bool) -> Any:

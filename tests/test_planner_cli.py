@@ -132,13 +132,15 @@ def test_the_zero_papers_setup_gives_the_apis_figures():
     )
     assert got["params"] == params
     assert got["reports"] == _api_json(expected)
-    # Model states of plain data parallelism: fp32 parameters, gradients and Adam's two
-    # moments, 16 bytes per parameter (the paper's 120 GB, with its fp16 copies counted
-    # differently); full sharding divides them over the 64 devices.
+    # Model states of plain data parallelism: fp16 parameters (2 bytes), gradients reduced in
+    # fp32 and kept so for the fp32 masters (4), the masters and Adam's two moments (12): 18
+    # bytes per parameter, where the paper's 16 counts fp16 gradients (reduce_dtype=fp16);
+    # full sharding divides them over the 64 devices.
     ddp, zero3 = got["reports"][0], got["reports"][3]
     states = ("param_bytes", "grad_bytes", "opt_state_bytes")
-    assert sum(ddp[k] for k in states) == 16 * params
-    assert sum(zero3[k] for k in states) == pytest.approx(16 * params / 64, rel=1e-3)
+    assert [ddp[k] // params for k in states] == [2, 4, 12]
+    assert sum(ddp[k] for k in states) == 18 * params
+    assert sum(zero3[k] for k in states) == pytest.approx(18 * params / 64, rel=1e-3)
 
 
 def test_the_tables_fit_80_columns_with_colour_off(llama_dir, monkeypatch):

@@ -576,14 +576,14 @@ class CallState:
 
 
 def _use_replicas(unit: Unit, known: Mapping[int, torch.Tensor]) -> None:
-    """Give ``unit`` the replicas of its gathered parameters, if every one has one (known by
-    the id of the local shard, as the call received it)."""
+    """Give ``unit`` the replicas of its parameters, if every gathered one has one (known by
+    the id of the local shard, as the call received it). A parameter that is not gathered
+    computes with its replica too, where it has one (a master's value in the compute
+    dtype, held by the step: no cast of its own)."""
     gathered = {p.index for rnd in unit.layout.rounds for p in rnd.pieces}
-    if not gathered:
-        return
     found = [known.get(id(s)) for s in unit.shards]
-    if all(found[i] is not None for i in gathered):
-        unit.replicas = [f if i in gathered else None for i, f in enumerate(found)]
+    if any(f is not None for f in found) and all(found[i] is not None for i in gathered):
+        unit.replicas = found
 
 
 def _check_unsynced(units: Mapping[str, Unit]) -> None:

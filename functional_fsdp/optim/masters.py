@@ -97,6 +97,12 @@ def master_weights(
     With ``TrainState.create(..., opt_specs=P("dp"))`` (ZeRO-1/2) the masters are sharded with
     the optimizer state: per parameter 2 bytes replicated plus 12/N bytes (Adam's K = 12).
 
+    Under ``train_step`` the step equals fp32 parameters computing in the same
+    ``MixedPrecision`` policy, bit for bit: gradients reduced in a wider dtype than
+    ``param_dtype`` (``reduce_dtype=torch.float32``) reach the masters unrounded (the step
+    differentiates the masters, which FSDP gathers in the policy's ``param_dtype``), and
+    micro-batches are summed in ``master_dtype``. See ``docs/guides/mixed-precision.md``.
+
     Args:
         optimizer: the inner optimizer (e.g. ``ff.adamw(3e-4)``), run on the masters.
         param_dtype: the dtype the parameters are kept and computed in.

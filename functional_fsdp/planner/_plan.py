@@ -42,7 +42,7 @@ from ..distributed.axes import data_axes_of
 from ..formats import replicated_bytes, storage_view
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
-from ..optim.masters import MasterWeightsState
+from ..optim.masters import MasterWeightsState, _widens
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -321,18 +321,44 @@ def _optimizer(opt: OptimizerArg) -> GradientTransformation | None:
 
 def _state_bytes(
     optimizer: GradientTransformation | None, shards: dict[str, torch.Tensor]
-) -> tuple[int, torch.dtype | None]:
-    """The bytes of ``optimizer``'s state on ``shards`` (``meta``), and the dtype its
-    :func:`~functional_fsdp.master_weights` state keeps the parameters in (else ``None``)."""
+) -> tuple[int, torch.dtype | None, dict[str, torch.dtype]]:
+    """The bytes of ``optimizer``'s state on ``shards`` (``meta``), the dtype its
+    :func:`~functional_fsdp.master_weights` state keeps the parameters in (else ``None``)
+    and the dtypes of its masters (``{name: dtype}``, else empty)."""
     if optimizer is None or not shards:
-        return 0, None
+        return 0, None, {}
     state = optimizer.init(shards)
     nbytes = sum(
         t.numel() * t.element_size()
         for t in optree.tree_leaves(state, namespace=NAMESPACE)
         if isinstance(t, torch.Tensor)
     )
-    return nbytes, state.param_dtype if isinstance(state, MasterWeightsState) else None
+    if not isinstance(state, MasterWeightsState) or not isinstance(state.master, dict):
+        return nbytes, None, {}
+    masters = {n: t.dtype for n, t in state.master.items() if isinstance(t, torch.Tensor)}
+    return nbytes, state.param_dtype, masters
+
+
+def _grad_dtypes(
+    rest: Mapping[str, torch.dtype],
+    kept: torch.dtype | None,
+    masters: Mapping[str, torch.dtype],
+    reduce: torch.dtype | None,
+    zero1: bool,
+    accumulate: int,
+) -> dict[str, torch.dtype]:
+    """The dtype each gradient is held in, as ``train_step`` holds it: the parameter's; under
+    :func:`~functional_fsdp.master_weights`, the master's where they are reduced in a wider
+    dtype than the parameters' (ZeRO-1's full gradients excepted: they are reduced once,
+    onto the masters) and for a sum over micro-batches."""
+    out = dict(rest)
+    if kept is None:
+        return out
+    wider = reduce is not None and reduce != kept and _widens(kept, reduce)
+    for n, master in masters.items():
+        if (wider and not zero1) or accumulate > 1:
+            out[n] = master
+    return out
 
 
 def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: tuple[str, ...]):
@@ -548,7 +574,7 @@ def plan(
         for n in layouts
         if n in train
     }
-    opt_state_bytes, kept = _remember(  # kept: master_weights' param dtype, read off its state
+    opt_state_bytes, kept, master_dtypes = _remember(  # master_weights' dtypes, off its state
         memo,
         ("opt", id(opt), tuple((n, tuple(t.shape), t.dtype) for n, t in shards.items())),
         lambda: _state_bytes(opt, shards),
@@ -577,7 +603,12 @@ def plan(
     )
     zero1 = zero and accumulate_mode == "local"
     grad_layouts = opt_layouts if zero and not zero1 else layouts
-    grad_bytes = sum(grad_layouts[n].local_numel * rest[n].itemsize for n in layouts if n in train)
+    grad_dtypes = _grad_dtypes(
+        rest, kept, master_dtypes, mp.reduce_dtype or mp.param_dtype, zero1, accumulate
+    )
+    grad_bytes = sum(
+        grad_layouts[n].local_numel * grad_dtypes[n].itemsize for n in layouts if n in train
+    )
 
     # ---- gathered parameters
     root = the_plan.units.get("")
