@@ -104,7 +104,8 @@ def loss_of(
     local = ff.local_batch((idx, tgt), mesh, f.data_axes)
 
     def loss_fn(p: dict[str, Any]) -> torch.Tensor:
-        return ff.vocab_parallel_cross_entropy(f.apply(p, local[0]), local[1], mesh)
+        loss = ff.vocab_parallel_cross_entropy(f.apply(p, local[0]), local[1], mesh)
+        return ff.all_reduce(loss, mesh, f.data_axes, op="mean")  # the global batch's mean
 
     return torch.func.grad_and_value(loss_fn)(f.shard())
 

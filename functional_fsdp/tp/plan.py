@@ -40,7 +40,7 @@ from .styles import (
     Style,
     _attributes_set,
 )
-from .verify import block_checks
+from .verify import Checks, _head_counts, block_checks
 
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 
@@ -122,7 +122,7 @@ class _ReshapeHint:
             if isinstance(v, int) and not isinstance(v, bool) and not n.startswith("_")
         }
         names = [n for n, v in ints.items() if v in shape and v > 1 and v % self.tp == 0]
-        heads = [n for n in names if "head" in n and "dim" not in n] or names
+        heads = [n for n in names if n in _head_counts(holder, self.tp)] or names
         attrs = tuple(heads) or ("n_heads",)
         linears = ", ".join(f"{c!r} ({out // self.tp} of {out})" for c, out in self.colwise)
         style = self.style if path == self.path else None
@@ -184,6 +184,8 @@ class TensorParallel:
             (:class:`StyleWrapper`); pass to ``ff.fsdp(wrappers=...)``.
         blocks: the paths of the blocks checked against the unsharded module at the first
             call (``verify=True``; each distinct block once).
+        checks: what the checks did so far (:class:`~functional_fsdp.tp.verify.Checks`:
+            the blocks compared and the seconds it took), ``None`` with ``verify=False``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -202,6 +204,7 @@ class TensorParallel:
     specs: dict[str, P]
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = field(repr=False)
     blocks: tuple[str, ...] = ()
+    checks: Checks | None = field(default=None, repr=False)
 
 
 def _with_fsdp(spec: P, ndim: int, fsdp_axes: tuple[str, ...]) -> P:
@@ -335,7 +338,12 @@ def tensor_parallel(
     wrappers: list[tuple[str, ModuleWrapper]] = [
         (p, StyleWrapper(p, s, mesh, axis, tp)) for p, (_, s) in chosen.items()
     ]
-    checks = block_checks(module, chosen, tp_specs, mesh, axis, tp, StyleWrapper) if verify else []
+    state = Checks() if verify else None
+    checks = (
+        block_checks(module, chosen, tp_specs, mesh, axis, tp, StyleWrapper, state)
+        if state is not None
+        else []
+    )
     return TensorParallel(
         mesh=mesh,
         axis=axis,
@@ -345,6 +353,7 @@ def tensor_parallel(
         specs=specs,
         wrappers=(*wrappers, *_reshape_hints(chosen, modules, tp), *checks),
         blocks=tuple(p for p, _ in checks),
+        checks=state,
     )
 
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
+import time
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -73,9 +75,17 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}  # relative; other dtypes
 
 @dataclass(eq=False)
 class Checks:
-    """What the checks of one plan share: the distinct blocks already checked."""
+    """What the checks of one plan share.
+
+    Attributes:
+        done: the distinct blocks checked (or found to need no check) so far.
+        checked: the paths of the blocks compared with their unsharded selves.
+        seconds: the time the comparisons took, on this rank.
+    """
 
     done: set[Any] = field(default_factory=set)
+    checked: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,8 +126,12 @@ class BlockCheck:
             if self.key not in self.checks.done and not torch.compiler.is_compiling():
                 self.checks.done.add(self.key)  # first: a recompute or a nested call skips
                 if not is_shapes_only(self.mesh):
-                    with torch.no_grad(), accounting.isolated():
-                        self.check(module, args, kwargs)
+                    start = time.perf_counter()
+                    try:
+                        with torch.no_grad(), accounting.isolated():
+                            self.check(module, args, kwargs)
+                    finally:
+                        self.checks.seconds += time.perf_counter() - start
             return forward(*args, **kwargs)
 
         return checked
@@ -144,6 +158,7 @@ class BlockCheck:
         if outcome is None:
             return  # the block does not run unsharded on its own input: nothing to compare
         error, what, inputs, reference = outcome
+        self.checks.checked.append(self.path)
         if error <= self._tolerance(inputs):
             return
         fix = self._find_fix(reference, inputs)
@@ -244,7 +259,10 @@ class BlockCheck:
             out = self._run_plan(plan, *inputs)
             error, what = self._difference(out, reference)
         except Exception as e:
-            error, what = math.inf, f"it raises {type(e).__name__}: {str(e).splitlines()[0]}"
+            if plan is self.plan and _raised_by_a_style(e):
+                raise  # the library's own error about the plan, as a call without the check
+            line = str(e).splitlines()[0].rstrip(".") if str(e) else ""
+            error, what = math.inf, f"it raises {type(e).__name__}: {line}"
         return self._agreed(error), what, inputs, reference
 
     def _difference(self, out: Any, reference: Any) -> tuple[float | torch.Tensor, str]:
@@ -417,6 +435,22 @@ def _plain(x: Any) -> Any:
     return x.detach()
 
 
+def _raised_by_a_style(e: BaseException) -> bool:
+    """Whether ``e`` comes from this package's tensor-parallel code (a style refusing a
+    call), not from the model's code."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (
+        last is not None
+        and os.path.abspath(last).startswith(here)
+        and not isinstance(e, RuntimeError)
+    )
+
+
 def _fresh(tree: Any) -> Any:
     """``tree`` with its objects other than tensors copied: a run may update them (a key-value
     cache appends to itself), and the caller's must stay as they were."""
@@ -450,7 +484,11 @@ def _plan_specs(block: nn.Module, plan: Mapping[str, Style], axis: str) -> dict[
     for rel, style in plan.items():
         m = block.get_submodule(rel)
         for local, spec in style.param_specs(m, axis).items():
-            p = m.get_parameter(local) if "." in local else m._parameters.get(local)
+            owner, _, attr = local.rpartition(".")
+            try:
+                p = m.get_submodule(owner)._parameters.get(attr)
+            except AttributeError:
+                p = None
             if p is not None:
                 by_id[id(p)] = spec
     return {n: by_id.get(id(p), P()) for n, p in block.named_parameters(remove_duplicate=False)}
@@ -471,6 +509,7 @@ def block_checks(
     axis: str,
     tp: int,
     make_wrapper: MakeWrapper,
+    checks: Checks,
 ) -> list[tuple[str, BlockCheck]]:
     """A :class:`BlockCheck` for every block of the plan (see the module docstring)."""
     modules = dict(module.named_modules())
@@ -500,7 +539,6 @@ def block_checks(
         b for b in found if not any(o != b and (o == "" or b.startswith(o + ".")) for o in found)
     )
     first_name = {id(p): n for n, p in module.named_parameters()}
-    checks = Checks()
     out = []
     for path in outer:
         block = modules[path]
