@@ -104,10 +104,10 @@ def loss_of(
     local = ff.local_batch((idx, tgt), mesh, f.data_axes)
 
     def loss_fn(p: dict[str, Any]) -> torch.Tensor:
-        loss = ff.vocab_parallel_cross_entropy(f.apply(p, local[0]), local[1], mesh)
-        return ff.all_reduce(loss, mesh, f.data_axes, op="mean")  # the global batch's mean
+        return ff.vocab_parallel_cross_entropy(f.apply(p, local[0]), local[1], mesh)
 
-    return torch.func.grad_and_value(loss_fn)(f.shard())
+    grads, loss = torch.func.grad_and_value(loss_fn)(f.shard())
+    return grads, ff.all_reduce(loss, mesh, f.data_axes, op="mean")  # the global batch's
 
 
 def reference_loss(model: nn.Module, data: Any) -> float:

@@ -263,7 +263,8 @@ class BlockCheck:
                 raise  # the library's own error about the plan, as a call without the check
             line = str(e).splitlines()[0].rstrip(".") if str(e) else ""
             error, what = math.inf, f"it raises {type(e).__name__}: {line}"
-        return self._agreed(error), what, inputs, reference
+        device = next((t.device for t in full.values()), torch.device(self.mesh.device_type))
+        return self._agreed(error, device), what, inputs, reference
 
     def _difference(self, out: Any, reference: Any) -> tuple[float | torch.Tensor, str]:
         got, want = torch_pytree.tree_leaves(out), torch_pytree.tree_leaves(reference)
@@ -299,13 +300,13 @@ class BlockCheck:
             return 0.0, "no output to compare"
         return worst, "its output differs"
 
-    def _agreed(self, error: float | torch.Tensor) -> float:
-        """The largest of every rank's ``error`` (every rank then decides alike)."""
-        device = next(iter(self.block.parameters()), torch.empty(0)).device
-        t = error if isinstance(error, torch.Tensor) else torch.tensor(float(error))
-        t = t.to(torch.float64).reshape(1)
-        if device.type != "meta":
-            t = t.to(device)
+    def _agreed(self, error: float | torch.Tensor, device: torch.device) -> float:
+        """The largest of every rank's ``error`` (every rank then decides alike): one scalar
+        gathered over each mesh axis, read on the host."""
+        if isinstance(error, torch.Tensor):
+            t = error.to(torch.float64).reshape(1)
+        else:
+            t = torch.full((1,), float(error), dtype=torch.float64, device=device)
         for axis in axis_names(self.mesh):
             t = C.all_gather(t, self.mesh, axis, 0).amax().reshape(1)
         return float(rank_values(t)[0].item())
