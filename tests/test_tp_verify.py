@@ -110,7 +110,7 @@ def test_each_distinct_block_is_checked_once_per_plan():
         assert ff.tensor_parallel(model, mesh, W.tiny_plan(), verify=False).blocks == ()
 
 
-def test_llama_with_a_wrong_style_raises_naming_the_layer_and_the_fix():
+def test_llama_with_a_wrong_style_raises_naming_the_mlp_and_the_fix():
     pytest.importorskip("transformers")
     from functional_fsdp.models import llama_plan
 
@@ -118,16 +118,26 @@ def test_llama_with_a_wrong_style_raises_naming_the_layer_and_the_fix():
 
     model = H.new_llama()
     idx, tgt = H.batch()
-    plan = {**llama_plan(model.config), "model.layers.*.self_attn.o_proj": ff.ColwiseParallel()}
+    plan = {**llama_plan(model.config), "model.layers.*.mlp.gate_proj": ff.RowwiseParallel()}
     with (
         ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh,
         pytest.raises(
             ValueError,
             match=(
-                r"the plan gives LlamaDecoderLayer 'model\.layers\.0' a wrong result on "
-                r"Mesh\(dp=1, tp=2\).*give 'model\.layers\.0\.self_attn\.o_proj' "
-                r"RowwiseParallel\(\) instead of ColwiseParallel"
+                r"the plan gives LlamaMLP 'model\.layers\.0\.mlp' a wrong result on "
+                r"Mesh\(dp=1, tp=2\).*give 'model\.layers\.0\.mlp\.gate_proj' "
+                r"ColwiseParallel\(\) instead of RowwiseParallel"
             ),
         ),
     ):
         H.ours(model, mesh, plan, idx, tgt)
+
+
+def test_gpt_and_llama_plans_check_their_attention_and_mlp():
+    from functional_fsdp.models import GPT, GPTConfig, gpt_plan
+
+    cfg = GPTConfig()
+    with ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh:
+        tp = ff.tensor_parallel(GPT(cfg), mesh, gpt_plan(cfg))
+    assert [b for b in tp.blocks if b.startswith("blocks.0")] == ["blocks.0.attn", "blocks.0.mlp"]
+    assert "" not in tp.blocks  # the head's vocab-sharded logits go to the loss

@@ -515,26 +515,50 @@ def block_checks(
     """A :class:`BlockCheck` for every block of the plan (see the module docstring)."""
     modules = dict(module.named_modules())
     styles = {p: s for p, (_, s) in chosen.items()}
+    rowwise = [
+        q for q, s in styles.items() if isinstance(s, RowwiseParallel) and s.input == "sharded"
+    ]
+
+    def inside(q: str, a: str) -> bool:
+        return a == "" or q.startswith(a + ".")
+
+    def owner(path: str) -> str | None:
+        """The nearest module above ``path`` with a forward of its own (its code calls it)."""
+        up = path
+        while up:
+            up = up.rpartition(".")[0]
+            if _has_forward(modules[up]):
+                return up
+        return None
+
+    split = [
+        p
+        for p, s in styles.items()
+        if isinstance(s, ColwiseParallel) and s.output == "sharded" and not s.padded and p
+    ]  # (padded: vocab-sharded logits, read by the loss)
+    # A region closes at the nearest module with a forward above a colwise linear that holds
+    # a rowwise linear no region below it has taken (an MLP whose first linear sits in a
+    # Sequential of its own closes at the MLP; the head beside the layers closes nowhere).
     found: set[str] = set()
-    for path, style in styles.items():
-        if isinstance(style, ColwiseParallel) and style.output == "sharded":
-            if style.padded:
-                continue  # vocab-sharded logits: read by the loss, not a closed region
-            up = path
-            while up:
-                up = up.rpartition(".")[0]
-                rowwise = any(
-                    isinstance(s, RowwiseParallel)
-                    and s.input == "sharded"
-                    and (up == "" or q.startswith(up + "."))
-                    for q, s in styles.items()
-                )
-                if rowwise and _has_forward(modules[up]):
-                    found.add(up)
-                    break
-        elif isinstance(style, (ColwiseParallel, VocabParallelEmbedding, ExpertParallel)) or (
-            isinstance(style, RowwiseParallel) and style.input == "replicated"
-        ):
+    for path in sorted(split, key=lambda p: -p.count(".")):
+        up = owner(path)
+        while up is not None:
+            if up in found:
+                break
+            free = [
+                q
+                for q in rowwise
+                if inside(q, up)
+                and not any(c != up and inside(c, up) and inside(q, c) for c in found)
+            ]
+            if free:
+                found.add(up)
+                break
+            up = owner(up) if up else None
+    for path, style in styles.items():  # regions of one module
+        gathers = isinstance(style, ColwiseParallel) and style.output == "replicated"
+        scatters = isinstance(style, RowwiseParallel) and style.input == "replicated"
+        if gathers or scatters or isinstance(style, (VocabParallelEmbedding, ExpertParallel)):
             found.add(path)
     outer = sorted(
         b for b in found if not any(o != b and (o == "" or b.startswith(o + ".")) for o in found)
