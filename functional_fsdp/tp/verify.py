@@ -80,11 +80,14 @@ class Checks:
     Attributes:
         done: the distinct blocks checked (or found to need no check) so far.
         checked: the paths of the blocks compared with their unsharded selves.
+        skipped: ``(path, why)`` for blocks that could not be compared (an argument that
+            cannot be copied, such as a key-value cache holding ``torch.func``'s tensors).
         seconds: the time the comparisons took, on this rank.
     """
 
     done: set[Any] = field(default_factory=set)
     checked: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -145,6 +148,11 @@ class BlockCheck:
         if any(t.is_meta for t in (*local.values(), *buffers.values())):
             return  # a unit nested in the block is not gathered yet: nothing to compare
         args, kwargs = torch_pytree.tree_map(_plain, (args, kwargs))
+        try:
+            _fresh((args, kwargs))
+        except _CannotCopy as e:  # the runs could change the caller's object: no check
+            self.checks.skipped.append((self.path, f"an argument cannot be copied ({e})"))
+            return
         full = {n: self._gather(n, t) for n, t in local.items()}
         outcome = None
         for dtype in (torch.float64, None):  # float64 where the module's code allows it
@@ -452,17 +460,23 @@ def _raised_by_a_style(e: BaseException) -> bool:
     )
 
 
+class _CannotCopy(Exception):
+    """An argument the check cannot copy: running the block on it could change it."""
+
+
 def _fresh(tree: Any) -> Any:
     """``tree`` with its objects other than tensors copied: a run may update them (a key-value
-    cache appends to itself), and the caller's must stay as they were."""
+    cache appends to itself), and the caller's must stay as they were. Raises
+    :class:`_CannotCopy` for one that cannot be copied (a cache holding ``torch.func``'s
+    tensors)."""
 
     def fresh(x: Any) -> Any:
-        if x is None or isinstance(x, (torch.Tensor, int, float, bool, str)):
+        if x is None or isinstance(x, (torch.Tensor, int, float, bool, str, torch.dtype)):
             return x
         try:
             return copy.deepcopy(x)
-        except Exception:
-            return x
+        except Exception as e:
+            raise _CannotCopy(f"{type(x).__name__}: {e}") from e
 
     return torch_pytree.tree_map(fresh, tree)
 
