@@ -21,7 +21,7 @@ import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan
 
 CONFIGS = {
-    "tiny (tests)": GPTConfig(n_layer=2, vocab_size=64, n_embd=64, n_head=4, block_size=64),
+    "tiny (tests)": GPTConfig(n_layer=2, vocab_size=64, n_embd=64, n_head=4, block_size=128),
     "12 layers, 768 wide": GPTConfig(
         n_layer=12, vocab_size=4096, n_embd=768, n_head=12, block_size=256
     ),
