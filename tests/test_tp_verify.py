@@ -67,8 +67,12 @@ def test_simulated_head_count_hint_through_a_module_dict():
     data = W.batch()  # outside the simulated mesh: random numbers there differ per rank
     model = W.tiny_lm()
     with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
-        with pytest.raises(ValueError, match=_heads(r"dp=2, tp=2", SPLIT)):
-            W.loss_of(model, mesh, W.tiny_plan(), data)
+        tp = ff.tensor_parallel(model, mesh, W.tiny_plan())
+        f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+        params = f.shard()
+        for _ in range(2):  # a failed check is not forgotten: the next call raises too
+            with pytest.raises(ValueError, match=_heads(r"dp=2, tp=2", SPLIT)):
+                f.apply(params, data[0])
         # Turned off, the same plan trains on a wrong loss without a word.
         _, loss = W.loss_of(model, mesh, W.tiny_plan(), data, verify=False)
         _, fixed = W.loss_of(model, mesh, W.tiny_plan(per_rank=True), data)

@@ -78,7 +78,9 @@ class Checks:
     """What the checks of one plan share.
 
     Attributes:
-        done: the distinct blocks checked (or found to need no check) so far.
+        done: the distinct blocks checked (or found to need no check) so far; a block
+            whose check failed is not, so every later call raises again.
+        running: the blocks being checked now.
         checked: the paths of the blocks compared with their unsharded selves.
         skipped: ``(path, why)`` for blocks that could not be compared (an argument that
             cannot be copied, such as a key-value cache holding ``torch.func``'s tensors).
@@ -86,6 +88,7 @@ class Checks:
     """
 
     done: set[Any] = field(default_factory=set)
+    running: set[Any] = field(default_factory=set)
     checked: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
@@ -126,15 +129,18 @@ class BlockCheck:
 
     def __call__(self, module: nn.Module, forward: Forward) -> Forward:
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if self.key not in self.checks.done and not torch.compiler.is_compiling():
-                self.checks.done.add(self.key)  # first: a recompute or a nested call skips
-                if not is_shapes_only(self.mesh):
-                    start = time.perf_counter()
-                    try:
+            due = self.key not in self.checks.done and self.key not in self.checks.running
+            if due and not torch.compiler.is_compiling():
+                self.checks.running.add(self.key)  # a call nested in the check skips it
+                start = time.perf_counter()
+                try:
+                    if not is_shapes_only(self.mesh):
                         with torch.no_grad(), accounting.isolated():
                             self.check(module, args, kwargs)
-                    finally:
-                        self.checks.seconds += time.perf_counter() - start
+                    self.checks.done.add(self.key)  # a block that failed is checked again
+                finally:
+                    self.checks.running.discard(self.key)
+                    self.checks.seconds += time.perf_counter() - start
             return forward(*args, **kwargs)
 
         return checked
