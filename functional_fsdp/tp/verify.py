@@ -48,6 +48,7 @@ import torch.utils._pytree as torch_pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import rng
 from .._modules import copy_tree
 from ..distributed import accounting
 from ..distributed import collectives as C
@@ -133,12 +134,14 @@ class BlockCheck:
             if due and not torch.compiler.is_compiling():
                 self.checks.running.add(self.key)  # a call nested in the check skips it
                 start = time.perf_counter()
+                streams = rng.get_state()  # the styles switch dropout streams: put them back
                 try:
                     if not is_shapes_only(self.mesh):
                         with torch.no_grad(), accounting.isolated():
                             self.check(module, args, kwargs)
                     self.checks.done.add(self.key)  # a block that failed is checked again
                 finally:
+                    rng.set_state(streams)
                     self.checks.running.discard(self.key)
                     self.checks.seconds += time.perf_counter() - start
             return forward(*args, **kwargs)
@@ -217,6 +220,9 @@ class BlockCheck:
                 getattr(copies[path], slot)[attr] = t
         for c in copies.values():
             c.__dict__["training"] = False  # no dropout: both runs see the same values
+            for hooks in _HOOKS:  # the user's hooks observe the real calls, not the check's
+                if hooks in c.__dict__:
+                    c.__dict__[hooks] = type(c.__dict__[hooks])()
         return copies
 
     def _reference(
@@ -419,6 +425,17 @@ class BlockCheck:
             f"unsharded module on the first call's input, {how}. Its styles: {styles}. "
             f"{advice} (To skip this check: ff.tensor_parallel(..., verify=False).)"
         )
+
+
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
 
 
 class _NoStyle(Style):
