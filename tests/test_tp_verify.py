@@ -145,3 +145,14 @@ def test_gpt_and_llama_plans_check_their_attention_and_mlp():
         tp = ff.tensor_parallel(GPT(cfg), mesh, gpt_plan(cfg))
     assert [b for b in tp.blocks if b.startswith("blocks.0")] == ["blocks.0.attn", "blocks.0.mlp"]
     assert "" not in tp.blocks  # the head's vocab-sharded logits go to the loss
+
+
+def test_a_block_whose_input_differs_between_tp_ranks_is_skipped_not_judged():
+    model = W.tiny_lm()
+    with ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh:
+        data = W.batch()  # drawn on the simulated mesh: each rank's differs
+        tp = ff.tensor_parallel(model, mesh, W.tiny_plan())
+        f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+        f.apply(f.shard(), data[0])
+    assert tp.checks.checked == []
+    assert ("layers.0.attn", "its input differs between tp ranks") in tp.checks.skipped

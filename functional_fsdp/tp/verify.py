@@ -65,6 +65,7 @@ from .styles import (
     RowwiseParallel,
     Style,
     VocabParallelEmbedding,
+    _input,
     _map_input,
 )
 
@@ -162,6 +163,9 @@ class BlockCheck:
         except _CannotCopy as e:  # the runs could change the caller's object: no check
             self.checks.skipped.append((self.path, f"an argument cannot be copied ({e})"))
             return
+        if self._input_differs(args, kwargs):  # the plan cannot be judged on it
+            self.checks.skipped.append((self.path, "its input differs between tp ranks"))
+            return
         full = {n: self._gather(n, t) for n, t in local.items()}
         outcome = None
         for dtype in (torch.float64, None):  # float64 where the module's code allows it
@@ -180,6 +184,21 @@ class BlockCheck:
             return
         fix = self._find_fix(reference, inputs)
         raise ValueError(self._message(module, error, what, fix, inputs))
+
+    def _input_differs(self, args: Any, kwargs: Any) -> bool:
+        """Whether the block's replicated input differs between tp ranks (tensor parallelism
+        assumes it does not; random batches drawn on a simulated mesh do)."""
+        if self.input_dim is not None:
+            return False  # split along the sequence: each rank's own part
+        try:
+            x = _input(self.plan.get("", _NoStyle()), self.block, self.input_kwarg, args, kwargs)
+        except TypeError:
+            return False
+        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return False
+        rows = C.all_gather(x.detach().unsqueeze(0), self.mesh, self.axis, 0)
+        differs = (rows != rows[:1]).any().to(torch.float64)
+        return self._agreed(differs, x.device) > 0
 
     def _tolerance(self, inputs: tuple[Any, ...]) -> float:
         dtypes = [t.dtype for t in inputs[0].values() if t.is_floating_point()]
