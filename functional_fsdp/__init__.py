@@ -36,6 +36,7 @@ from .distributed.simulate import is_simulated as is_simulated
 from .distributed.simulate import rank_values as rank_values
 from .distributed.simulate import simulated_mesh as simulated_mesh
 from .fsdp.api import FSDP as FSDP
+from .fsdp.api import SingleUnitWarning as SingleUnitWarning
 from .fsdp.api import fsdp as fsdp
 from .fsdp.materialize import init_sharded as init_sharded
 from .fsdp.memory import MemoryEvent as MemoryEvent
@@ -172,6 +173,7 @@ __all__ = [
     "Schedule",
     "SequenceParallel",
     "Sharded",
+    "SingleUnitWarning",
     "Style",
     "SumCount",
     "TensorParallel",

@@ -334,6 +334,14 @@ def _gpt_case(name: str, device: str) -> dict[str, Any]:
             first = audit.findings
             audit.findings = [x for x in first if not _checks_the_global_batch(str(x))]
             assert len(audit.findings) == len(first) - 2, [str(x) for x in first]
+        elif name == "tp":
+            # By design, a plan's first call checks each distinct block against the unsharded
+            # block (tp/verify.py): one verdict per block read on the host. Nothing else may.
+            with _host_sync_allowed(mesh):
+                state, metrics = step(state, batch)
+            first = audit.findings
+            audit.findings = [x for x in first if not str(x).endswith(" in _agreed")]
+            assert len(audit.findings) < len(first), [str(x) for x in first]  # it checked
         else:
             state, metrics = step(state, batch)
         state, _ = step(state, batch)

@@ -111,10 +111,11 @@ def ours(
     tgt: torch.Tensor,
     *,
     loss_parallel: bool = True,
+    verify: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FSDP+TP: the loss (mean over data ranks) and the gathered gradients of the trainable
     parameters; frozen shards are not differentiated."""
-    tp = tensor_parallel(model, mesh, plan)
+    tp = tensor_parallel(model, mesh, plan, verify=verify)
     f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
     params = f.shard()
     names = trainable(model)
@@ -300,13 +301,18 @@ def gloo_fixed_heads() -> dict[str, Any]:
     mesh = ff.make_mesh({"dp": dist.get_world_size() // 2, "tp": 2})
     model = new_fixed_heads()
     idx, tgt = batch()
-    try:
-        ours(model, mesh, fixed_heads_plan(per_rank=False), idx, tgt, loss_parallel=False)
-        hint = None
-    except ValueError as e:
-        hint = str(e)
+    hints = []
+    for verify in (True, False):  # the plan check at the first call; the reshape hint
+        try:
+            plan = fixed_heads_plan(per_rank=False)
+            ours(model, mesh, plan, idx, tgt, loss_parallel=False, verify=verify)
+            hints.append(None)
+        except ValueError as e:
+            hints.append(str(e))
+    check, hint = hints
     got = ours(model, mesh, fixed_heads_plan(per_rank=True), idx, tgt, loss_parallel=False)
     return {
+        "check": check,
         "hint": hint,
         "n_heads_after": model.attn.n_heads,
         **errors(got, reference(model, idx, tgt)),

@@ -76,6 +76,11 @@ def test_gloo_lora_llama_matches_single_process(pools):
 @pytest.mark.multiprocess
 def test_gloo_fixed_head_count_needs_per_rank_attribute(pools):
     for result in pools.run(4, W.gloo_fixed_heads):
+        assert "the plan gives FixedHeadsAttention 'attn' a wrong result" in result["check"]
+        assert (
+            "give 'attn' (FixedHeadsAttention) PrepareInput(per_rank=('n_heads',), ...)"
+            in (result["check"])
+        )
         assert "set the attribute per rank" in result["hint"]
         assert "PrepareInput(per_rank=('n_heads',), ...)" in result["hint"]
         assert result["n_heads_after"] == 4  # the user's module is unchanged
@@ -139,6 +144,20 @@ def test_fixed_head_count_hint_names_module_shapes_tp_and_attribute():
                 r"32\), 'wv' \(16 of 32\), .*Read the local size from the shape \(q\.view\(b, t, "
                 r"-1, head_dim\)\), or set the attribute per rank for the call: give 'attn' "
                 r"PrepareInput\(per_rank=\('n_heads',\), \.\.\.\) in the plan"
+            ),
+        ):
+            W.ours(
+                model, mesh, W.fixed_heads_plan(False), idx, tgt, loss_parallel=False, verify=False
+            )
+        with pytest.raises(
+            ValueError,
+            match=(
+                r"tensor_parallel: the plan gives FixedHeadsAttention 'attn' a wrong result on "
+                r"Mesh\(dp=1, tp=2\): checked once against the unsharded module on the first "
+                r"call's input, it raises RuntimeError: shape '\[4, 8, 4, 8\]' is invalid for "
+                r"input of size 512\. .*The fix that makes it match \(tried on the same input\): "
+                r"give 'attn' \(FixedHeadsAttention\) PrepareInput\(per_rank=\('n_heads',\), "
+                r"\.\.\.\) in the plan"
             ),
         ):
             W.ours(model, mesh, W.fixed_heads_plan(False), idx, tgt, loss_parallel=False)

@@ -460,7 +460,7 @@ def fsdp(
     module = storage_view(module, wrappers)
     if trainable is not None:
         _check_trainable_dtypes(module, trainable_names(module, trainable))
-    return FSDP(
+    sharded = FSDP(
         module=module,
         mesh=mesh,
         data_axes=tuple(data_axes),
@@ -469,6 +469,65 @@ def fsdp(
         specs=specs if specs is not None else default_specs(mesh, data_axes),
         wrappers=_check_wrappers(module, wrappers),
         trainable_override=trainable,
+    )
+    if units is None and not sharded.units:
+        _warn_single_unit(sharded)
+    return sharded
+
+
+class SingleUnitWarning(UserWarning):
+    """``ff.fsdp``'s default found no units in a large model: the whole model is one unit,
+    gathered whole at every step. Name its blocks with ``units=``.
+
+    Example:
+        >>> import warnings, torch, functional_fsdp as ff
+        >>> with torch.device("meta"):  # two parts of different classes, in no container
+        ...     model = torch.nn.Module()
+        ...     model.encoder = torch.nn.Linear(4096, 4096)
+        ...     model.mixer = torch.nn.TransformerEncoderLayer(4096, 8)
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh, warnings.catch_warnings(record=True) as w:
+        ...     warnings.simplefilter("always")
+        ...     _ = ff.fsdp(model, mesh)
+        >>> [x.category.__name__ for x in w]
+        ['SingleUnitWarning']
+    """
+
+
+# A model smaller than this gathered whole costs little: the default then says nothing.
+SINGLE_UNIT_WARN_BYTES = 64 * 1024**2
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _warn_single_unit(sharded: FSDP) -> None:
+    """Warn if the default units left a large model as one unit (see SingleUnitWarning)."""
+    root = sharded.layout.units.get("")
+    if root is None or root.gathered_bytes < SINGLE_UNIT_WARN_BYTES:
+        return
+    module = sharded.module
+    parts = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if len(parts) < 2:
+        return  # one layer (or one child): nothing to split it into
+    names = [n for n, _ in parts]
+    shards = 1
+    for axis in sharded.data_axes:
+        shards *= sharded._sizes[axis]
+    warnings.warn(
+        f"ff.fsdp: found no units in {type(module).__name__}, so the whole model is one "
+        f"unit: every step gathers all of its parameters at once, {_human(root.gathered_bytes)} "
+        f"on each rank (the planner's gathered bytes; an unsharded model's memory), where "
+        f"its shards at rest are about {_human(root.gathered_bytes // shards)}. The default "
+        f"takes the children of nn.ModuleList and nn.Sequential containers and repeated blocks "
+        f"(of one class, in an nn.ModuleDict or as attributes); {type(module).__name__} keeps "
+        f"none. Name its blocks: ff.fsdp(model, mesh, units=BlockClass), or module paths such "
+        f"as units={names[:4]!r} (fnmatch patterns work: 'layers.*').",
+        SingleUnitWarning,
+        stacklevel=3,
     )
 
 

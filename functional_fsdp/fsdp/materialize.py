@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -433,11 +435,85 @@ def _check_initialised(sweep: _Sweep, module: nn.Module) -> None:
         raise ValueError(
             f"init_sharded: {e.kind} {key!r} (shape {tuple(e.source.shape)}, "
             f"{e.source.dtype}) of {type(module).__name__} is on the meta device and nothing "
-            f"initialises it: {what} and no init_fn wrote it. Give {kind} a "
-            f"reset_parameters() that fills its own tensors, or pass init_fn=fn where "
-            f"fn(module) fills them, e.g. init_fn=lambda m: torch.nn.init.ones_(m.{attr}) if "
-            f"isinstance(m, {kind}) else None."
+            f"initialises it: {what} and no init_fn wrote it. "
+            + _init_advice(module, mpath, owner, attr, e.kind)
         )
+
+
+def _writes(method: Any, attr: str, target: str) -> bool:
+    """Whether ``method``'s source assigns ``{target}.{attr}`` (or registers it, or writes
+    it in place)."""
+    try:
+        src = inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+    a = re.escape(attr)
+    return bool(
+        re.search(
+            rf"{target}\.{a}\s*=(?!=)|{target}\.register_buffer\(\s*['\"]{a}['\"]"
+            rf"|{target}\.{a}\.\w+_\(|\w+_\({target}\.{a}\b",
+            src,
+        )
+    )
+
+
+def _no_arguments(method: Any) -> bool:
+    """Whether an unbound ``method`` can be called with ``self`` alone."""
+    try:
+        params = list(inspect.signature(method).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in params
+    )
+
+
+def _init_advice(module: nn.Module, path: str, owner: nn.Module, attr: str, kind: str) -> str:
+    """How to initialise ``owner.attr``: a call of the model's own initialisation code that
+    writes it (a method of the owner, or the root's ``_init_weights(module)``), or, when the
+    model has none, where to put that code. Never a placeholder value."""
+    cls = type(owner).__name__
+    own = [
+        name
+        for klass in type(owner).__mro__
+        if klass not in (nn.Module, object) and issubclass(klass, nn.Module)
+        for name, fn in vars(klass).items()
+        if callable(fn)
+        and name not in ("__init__", "forward")
+        and _no_arguments(fn)
+        and _writes(fn, attr, "self")
+    ]
+    if own:
+        name = own[0]
+        return (
+            f"{cls}.{name}() writes it: call it as the initialisation, "
+            f"init_fn=lambda m: m.{name}() if isinstance(m, {cls}) else None."
+        )
+    root = getattr(type(module), "_init_weights", None)
+    if callable(root) and not _hf_pretrained(module):
+        try:
+            target = list(inspect.signature(root).parameters)[1]
+        except (TypeError, ValueError, IndexError):
+            target = None
+        if target is not None and _writes(root, attr, re.escape(target)):
+            return (
+                f"{type(module).__name__}._init_weights({target}) writes it: pass "
+                f"init_fn=model._init_weights."
+            )
+    where = f"{path!r} ({cls})" if path else cls
+    if kind == "buffer":
+        return (
+            f"Its value is computed when {cls} is constructed, and construction on the meta "
+            f"device computed nothing. Put that computation in a {cls}.reset_parameters() "
+            f"(init_sharded calls it for {where}, as torch does for its own layers), or build "
+            f"{cls} on a real device inside the meta model (its buffer is then copied as it "
+            f"is)."
+        )
+    return (
+        f"Give {cls} a reset_parameters() that fills its own tensors as its __init__ does, "
+        f"or pass init_fn=fn where fn(module) calls the model's own initialisation of {where}."
+    )
 
 
 def _check_tie_order(sweep: _Sweep, order: list[str]) -> None:

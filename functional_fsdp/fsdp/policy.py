@@ -178,8 +178,9 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
 
     ``units`` may be a module type; a list, tuple or set of module types and/or module
     paths and fnmatch patterns (``"blocks.*"``), as FSDP1's ``transformer_layer_cls`` takes
-    a set of classes; or a predicate ``fn(path, module) -> bool``. The default picks the
-    children of every ``nn.ModuleList``/``nn.Sequential``, one unit per transformer block.
+    a set of classes; or a predicate ``fn(path, module) -> bool``. The default
+    (:func:`default_units`) finds the repeated blocks wherever they are kept: one unit per
+    transformer block.
 
     Raises:
         TypeError: if ``units`` or one of its items is none of those.
@@ -194,15 +195,8 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
     """
     named = [(p, m) for p, m in module.named_modules() if p]
     if units is None:
-        containers = {
-            p for p, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-        }
-
-        def match(path: str, m: nn.Module) -> bool:
-            parent = path.rpartition(".")[0]
-            return parent in containers and any(True for _ in m.parameters())
-
-    elif isinstance(units, type):
+        return default_units(module)
+    if isinstance(units, type):
         _check_types_match(module, named, (units,), units)
 
         def match(path: str, m: nn.Module) -> bool:
@@ -245,6 +239,67 @@ def find_units(module: nn.Module, units: UnitsArg = None) -> list[str]:
     chosen: list[str] = []
     for path, m in named:
         if match(path, m) and not any(path.startswith(c + ".") for c in chosen):
+            chosen.append(path)
+    return chosen
+
+
+def _has_parameters(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _repeated(children: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """Names of the children with submodules and parameters whose class another one has."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # their children are the blocks
+    blocks = [
+        (n, c)
+        for n, c in children
+        if not isinstance(c, containers) and any(True for _ in c.children()) and _has_parameters(c)
+    ]
+    count: dict[type, int] = {}
+    for _, c in blocks:
+        count[type(c)] = count.get(type(c), 0) + 1
+    return [n for n, c in blocks if count[type(c)] > 1]
+
+
+def default_units(module: nn.Module) -> list[str]:
+    """The default units: the repeated blocks, wherever the model keeps them (outermost).
+
+    * every child with parameters of an ``nn.ModuleList`` or ``nn.Sequential``;
+    * the repeated blocks of an ``nn.ModuleDict`` (children of one class, with submodules of
+      their own: torchtitan keeps its layers so);
+    * repeated blocks held as plain attributes (``self.block1``, ``self.block2``), where they
+      hold no blocks found by the rules above.
+
+    Example:
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc, self.out = nn.Linear(2, 2), nn.Linear(2, 2)
+        >>> model = nn.Module()
+        >>> model.layers = nn.ModuleDict({"0": Block(), "1": Block()})
+        >>> model.head = nn.Linear(2, 1)
+        >>> default_units(model)
+        ['layers.0', 'layers.1']
+    """
+    found: list[str] = []
+    plain: list[str] = []
+    for path, m in module.named_modules():
+        prefix = f"{path}." if path else ""
+        children = list(m.named_children())
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            found += [prefix + n for n, c in children if _has_parameters(c)]
+        elif isinstance(m, nn.ModuleDict):
+            found += [prefix + n for n in _repeated(children)]
+        else:
+            plain += [prefix + n for n in _repeated(children)]
+    inside = set(found)
+    for p in plain:  # repeated attributes, unless they hold (or sit in) container blocks
+        if not any(f.startswith(p + ".") or p.startswith(f + ".") for f in inside):
+            found.append(p)
+    order = {p: i for i, (p, _) in enumerate(module.named_modules())}
+    chosen: list[str] = []
+    for path in sorted(set(found), key=order.__getitem__):
+        if not any(path.startswith(c + ".") for c in chosen):
             chosen.append(path)
     return chosen
 

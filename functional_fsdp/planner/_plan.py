@@ -537,7 +537,7 @@ def plan(
     if tp_plan is not None:
         from ..tp.plan import tensor_parallel
 
-        tp = tensor_parallel(model, shape_mesh, tp_plan, axis=tp_axis)  # type: ignore[arg-type]
+        tp = tensor_parallel(model, shape_mesh, tp_plan, axis=tp_axis, verify=False)  # type: ignore[arg-type]
         styles = tp.styles
         if specs is None:
             specs = tp.specs

@@ -41,6 +41,7 @@ from .styles import (
     _attributes_set,
 )
 from .torch_styles import from_torch_plan, is_torch_plan
+from .verify import Checks, _head_counts, block_checks
 
 ModuleWrapper = Callable[[nn.Module, Forward], Forward]
 
@@ -109,40 +110,59 @@ class _ReshapeHint:
                 found = _RESHAPE.search(str(e))
                 if found is None:
                     raise
-                raise ValueError(self.message(module, str(e), found)) from e
+                raise ValueError(self.message(module, str(e), found, e.__traceback__)) from e
 
         return hinted
 
-    def message(self, module: nn.Module, error: str, found: re.Match[str]) -> str:
+    def message(self, module: nn.Module, error: str, found: re.Match[str], tb: Any = None) -> str:
         shape = [int(v) for v in re.findall(r"-?\d+", found.group(1) or found.group(2) or "")]
+        path, holder = _reshaping_module(module, self.path, tb)
         ints = {
             n: v
-            for n, v in vars(module).items()
+            for n, v in vars(holder).items()
             if isinstance(v, int) and not isinstance(v, bool) and not n.startswith("_")
         }
         names = [n for n, v in ints.items() if v in shape and v > 1 and v % self.tp == 0]
-        heads = [n for n in names if "head" in n and "dim" not in n] or names
+        heads = [n for n in names if n in _head_counts(holder, self.tp)] or names
         attrs = tuple(heads) or ("n_heads",)
         linears = ", ".join(f"{c!r} ({out // self.tp} of {out})" for c, out in self.colwise)
-        kind = type(self.style).__name__ if self.style is not None else None
-        if isinstance(self.style, PrepareInput):
+        style = self.style if path == self.path else None
+        kind = type(style).__name__ if style is not None else None
+        if isinstance(style, PrepareInput):
             fix = f"PrepareInput(per_rank={attrs!r}, ...)"
         else:
-            fix = f"LocalAttributes({attrs!r})"
+            fix = f"LocalAttributes(per_rank={attrs!r})"
         already = (
-            f" (its {kind} sets {[n for n, _ in self.style.per_rank]} per rank already)"
-            if isinstance(self.style, (PrepareInput, LocalAttributes)) and self.style.per_rank
+            f" (its {kind} sets {[n for n, _ in style.per_rank]} per rank already)"
+            if isinstance(style, (PrepareInput, LocalAttributes)) and style.per_rank
             else ""
         )
         return (
-            f"tensor_parallel: {type(module).__name__} {self.path!r} failed to reshape on tp="
+            f"tensor_parallel: {type(holder).__name__} {path!r} failed to reshape on tp="
             f"{self.tp}: {error.splitlines()[0]}. Its colwise linears give each rank a block of "
             f"their output features: {linears}, so code that reshapes with a global size, such "
             f"as a head count in q.view(b, t, self.n_heads, head_dim), does not fit{already}. "
             f"Read the local size from the shape (q.view(b, t, -1, head_dim)), or set the "
-            f"attribute per rank for the call: give {self.path!r} {fix} in the plan "
+            f"attribute per rank for the call: give {path!r} {fix} in the plan "
             f"(attributes {list(attrs)}; values divided by tp, or {{name: rule(value, tp)}})."
         )
+
+
+def _reshaping_module(module: nn.Module, path: str, tb: Any) -> tuple[str, nn.Module]:
+    """The module (and its path) whose code raised: the innermost frame of ``tb`` whose
+    ``self`` is ``module`` or one of its submodules; ``module`` itself if none is."""
+    inside = {id(m): f"{path}.{p}" if path and p else path or p for p, m in module.named_modules()}
+    found = (path, module)
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in inside:
+            found = (inside[id(owner)], owner)
+        tb = tb.tb_next
+    return found
+
+
+def _has_forward(m: nn.Module) -> bool:
+    return type(m).forward is not nn.Module.forward
 
 
 # --------------------------------------------------------------------------- plans
@@ -163,6 +183,10 @@ class TensorParallel:
             one, ``P("dp")`` for a replicated one. Pass to ``ff.fsdp(specs=...)``.
         wrappers: ``(module path, wrapper)`` pairs, ``wrapper(module, forward) -> forward``
             (:class:`StyleWrapper`); pass to ``ff.fsdp(wrappers=...)``.
+        blocks: the paths of the blocks checked against the unsharded module at the first
+            call (``verify=True``; each distinct block once).
+        checks: what the checks did so far (:class:`~functional_fsdp.tp.verify.Checks`:
+            the blocks compared and the seconds it took), ``None`` with ``verify=False``.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -180,6 +204,8 @@ class TensorParallel:
     tp_specs: dict[str, P]
     specs: dict[str, P]
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = field(repr=False)
+    blocks: tuple[str, ...] = ()
+    checks: Checks | None = field(default=None, repr=False)
 
 
 def _with_fsdp(spec: P, ndim: int, fsdp_axes: tuple[str, ...]) -> P:
@@ -229,6 +255,7 @@ def tensor_parallel(
     *,
     axis: str = "tp",
     fsdp_axes: Sequence[str] | None = None,
+    verify: bool = True,
 ) -> TensorParallel:
     """Resolve a TP plan against ``module``: parameter specs and forward wrappers.
 
@@ -240,11 +267,18 @@ def tensor_parallel(
         fsdp_axes: data axes that shard parameters, added as the minor split of dim 0.
             Default: every axis but ``axis`` and ``"replicate"`` (what ``ff.fsdp`` shards by
             default). ``()`` keeps parameters replicated over the data axes (DDP + TP).
+        verify: check each distinct block of the plan (an attention or MLP module around
+            its colwise and rowwise linears, a vocabulary-parallel embedding, ...) once
+            against the unsharded block, on the first ``FSDP.apply`` that runs it, and raise
+            naming the block and the fix if they differ (:mod:`functional_fsdp.tp.verify`).
+            ``False`` skips the check.
 
     Raises:
         ValueError: a pattern matches no module, two patterns give one module different
             styles, tp does not divide a split dim (or a head count), or a parameter shared
-            by several modules (a tied embedding and head) would get conflicting specs.
+            by several modules (a tied embedding and head) would get conflicting specs. With
+            ``verify``, the first ``FSDP.apply`` raises if a block gives a result other than
+            the unsharded block's.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -307,6 +341,12 @@ def tensor_parallel(
     wrappers: list[tuple[str, ModuleWrapper]] = [
         (p, StyleWrapper(p, s, mesh, axis, tp)) for p, (_, s) in chosen.items()
     ]
+    state = Checks() if verify else None
+    checks = (
+        block_checks(module, chosen, tp_specs, mesh, axis, tp, StyleWrapper, state)
+        if state is not None
+        else []
+    )
     return TensorParallel(
         mesh=mesh,
         axis=axis,
@@ -314,18 +354,24 @@ def tensor_parallel(
         styles={p: s for p, (_, s) in chosen.items()},
         tp_specs={n: tp_specs[n] for n in params},
         specs=specs,
-        wrappers=(*wrappers, *_reshape_hints(chosen, modules, tp)),
+        wrappers=(*wrappers, *_reshape_hints(chosen, modules, tp), *checks),
+        blocks=tuple(p for p, _ in checks),
+        checks=state,
     )
 
 
 def _reshape_hints(
     chosen: dict[str, tuple[str, Style]], modules: dict[str, nn.Module], tp: int
 ) -> list[tuple[str, ModuleWrapper]]:
-    """A :class:`_ReshapeHint` around each parent of colwise linears with sharded outputs."""
+    """A :class:`_ReshapeHint` around the nearest module with its own forward above each
+    colwise linear with sharded outputs (through containers such as ``nn.ModuleDict``)."""
     parents: dict[str, list[tuple[str, int]]] = {}
     for path, (_, style) in chosen.items():
         if isinstance(style, ColwiseParallel) and style.output == "sharded" and path:
-            parent, _, child = path.rpartition(".")
+            parent = path.rpartition(".")[0]
+            while parent and not _has_forward(modules[parent]):
+                parent = parent.rpartition(".")[0]
+            child = path[len(parent) + 1 :] if parent else path
             m = modules[path]
             out = getattr(getattr(m, "base_layer", m), "out_features", 0)
             parents.setdefault(parent, []).append((child, out))
