@@ -36,7 +36,7 @@ from .fsdp.api import FSDP
 from .fsdp.gradients import to_compute_layout
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
-from .optim.clipping import global_norm
+from .optim.clipping import global_norm_and_finite
 from .optim.masters import MasterWeightsState
 from .optim.records import metrics_of
 from .optim.schedules import Schedule
@@ -695,7 +695,7 @@ def train_step(
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
         ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
-        ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
+        ``nan`` if unknown) and ``finite`` (whether the loss and every gradient element are finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
         and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
         what the new optimizer state records (``optim/records.py``: a state class lists
@@ -876,10 +876,11 @@ def train_step(
                 )
                 grads = reshard(grads, split.train_def.unflatten(layout), check=False)
                 train = reshard(train, split.train_def.unflatten(layout), check=False)
-        norm = global_norm(grads)
+        # Element by element: a finite gradient may overflow the norm (optax's rule).
+        norm, grads_finite = global_norm_and_finite(grads)
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
-        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        finite = torch.isfinite(loss) & grads_finite
         given_lr = None  # train_step(learning_rate=...): computed before anything is written
         if learning_rate is not None:
             given_lr = learning_rate(count) if callable(learning_rate) else learning_rate
@@ -888,7 +889,7 @@ def train_step(
         # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
         # the same on every rank: the global norm, and the all-reduced loss's finiteness.
         extra = {
-            "finite": finite if model is not None else torch.isfinite(norm),
+            "finite": finite if model is not None else grads_finite,
             "grad_norm": norm,  # clip_by_global_norm's: computed once per step
             "donate": donate,
         }

@@ -10,6 +10,7 @@ all-reduces of a few scalars, whatever the number of tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -112,6 +113,35 @@ def global_norm(tree: Any) -> torch.Tensor:
         ...     [round(n.item(), 4) for n in ff.rank_values(global_norm(g))]
         [5.2915, 5.2915]
     """
+    return _reduce("global_norm", tree, finite=False)[0]
+
+
+def global_norm_and_finite(tree: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_norm` of ``tree``, and whether every element of ``tree`` is finite.
+
+    The finiteness is decided element by element (optax's ``apply_if_finite`` does so): a
+    finite gradient of ``1e20`` overflows the float32 norm to ``inf`` but is finite. Each
+    rank reads its local blocks once more (a max-abs per tensor, no padding) and counts its
+    non-finite tensors; the counts travel in the norm's own all-reduces, one more number
+    beside each partial sum of squares, so the flag costs no collective of its own and is
+    the same on every rank.
+
+    Returns:
+        ``(norm, finite)``: the norm as :func:`global_norm` gives it (bitwise), and a 0-dim
+        bool tensor.
+
+    Example:
+        >>> import torch
+        >>> norm, finite = global_norm_and_finite({"w": torch.tensor([1e20, 1.0])})
+        >>> norm, finite
+        (tensor(inf), tensor(True))
+    """
+    norm, finite = _reduce("global_norm_and_finite", tree, finite=True)
+    return norm, torch.ones((), dtype=torch.bool) if finite is None else finite
+
+
+def _reduce(where: str, tree: Any, *, finite: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global norm of ``tree`` and, if ``finite``, whether all its elements are finite."""
     keys: list[tuple[DeviceMesh, tuple[str, ...]] | None] = []
     tensors: list[torch.Tensor] = []
     for path, leaf in zip(*optree.tree_flatten_with_path(tree)[:2]):
@@ -124,30 +154,47 @@ def global_norm(tree: Any) -> torch.Tensor:
             tensors.append(leaf)
         else:
             raise TypeError(
-                f"global_norm: {dotted(path) or '<root>'} is {leaf!r} "
+                f"{where}: {dotted(path) or '<root>'} is {leaf!r} "
                 f"({type(leaf).__name__}); expected a tree of tensors or Sharded values."
             )
     if not tensors:
-        return torch.zeros((), dtype=torch.float32)
+        zero = torch.zeros((), dtype=torch.float32)
+        return zero, (torch.ones((), dtype=torch.bool) if finite else None)
     norms = _norms(tensors)
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for key, n in zip(keys, norms):
-        groups.setdefault(key, []).append(n)
-    partial = {key: torch.stack(ns).square().sum() for key, ns in groups.items()}
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    partial = {
+        key: torch.stack([norms[i] for i in idx]).square().sum() for key, idx in groups.items()
+    }
+    # Non-finite tensors per group: a max-abs is not finite (it cannot overflow, unlike the
+    # sum of squares). Counted beside the sums of squares, in the same all-reduces.
+    bad: dict[Any, torch.Tensor] = {}
+    if finite:
+        amax = torch.stack(torch._foreach_norm(tensors, math.inf))
+        flags = (~torch.isfinite(amax)).to(partial[keys[0]].dtype)
+        bad = {key: flags[idx].sum() for key, idx in groups.items()}
     meshes: dict[DeviceMesh, None] = {k[0]: None for k in partial if k is not None}
     for mesh in meshes:
         for axis in axis_names(mesh):
             idx = [k for k in partial if k is not None and k[0] == mesh and axis in k[1]]
             if idx:
-                summed = C.wait(
-                    C.raw_all_reduce(torch.stack([partial[k] for k in idx]), mesh, axis)
-                )
-                partial.update(zip(idx, summed.unbind(0)))
-    return torch.stack(list(partial.values())).sum().sqrt()
+                sent = [partial[k] for k in idx] + [bad[k] for k in idx if finite]
+                summed = C.wait(C.raw_all_reduce(torch.stack(sent), mesh, axis)).unbind(0)
+                partial.update(zip(idx, summed[: len(idx)]))
+                bad.update(zip(idx, summed[len(idx) :]))
+    norm = torch.stack(list(partial.values())).sum().sqrt()
+    if not finite:
+        return norm, None
+    return norm, torch.stack(list(bad.values())).sum() == 0
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
-    """Scale updates by ``min(1, max_norm / (global_norm + 1e-6))``, like ``clip_grad_norm_``.
+def clip_by_global_norm(max_norm: float, *, eps: float = 0.0) -> GradientTransformationExtraArgs:
+    """Scale updates by ``max_norm / global_norm`` when the norm exceeds ``max_norm`` (optax).
+
+    Updates whose norm is under ``max_norm`` pass unchanged (bitwise). ``eps=1e-6`` gives
+    torch's ``clip_grad_norm_`` instead: a scale of ``min(1, max_norm / (norm + eps))``, which
+    also shrinks updates just under the limit (by ``1 - eps / norm``).
 
     The norm is :func:`global_norm`, so it is right for any mix of sharded and replicated
     values on any mesh, and every rank applies the same scale. No host sync. Given
@@ -155,13 +202,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     for its metrics anyway), ``update`` uses it instead of computing the norm again: one
     all-reduce per step fewer.
 
+    Args:
+        max_norm: the largest global norm updates keep (positive).
+        eps: keyword-only; ``0.0`` is optax's rule, ``1e-6`` torch's ``clip_grad_norm_``.
+
     Example:
         >>> import torch
         >>> t = clip_by_global_norm(1.0)
         >>> t.update({"w": torch.tensor([3.0, 4.0])}, t.init(None))[0]
         {'w': tensor([0.6000, 0.8000])}
+        >>> t.update({"w": torch.tensor([0.6, 0.8])}, t.init(None))[0]  # at the limit: as given
+        {'w': tensor([0.6000, 0.8000])}
     """
     max_norm = check_real("clip_by_global_norm", "max_norm", max_norm, low=0.0)
+    eps = check_real("clip_by_global_norm", "eps", eps, low=0.0)
     if max_norm == 0.0:
         raise ValueError("clip_by_global_norm: max_norm must be positive, got 0.0.")
 
@@ -175,7 +229,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
         **extra: Any,
     ) -> tuple[Updates, OptState]:
         norm = global_norm(updates) if grad_norm is None else grad_norm
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if eps:  # torch's clip_grad_norm_
+            coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+        else:  # optax's: only a norm over the limit scales
+            coef = torch.where(norm < max_norm, 1.0, max_norm / norm)
         return map_foreach(torch._foreach_mul, updates, coef, donate=donate), state
 
     return GradientTransformationExtraArgs(lambda params: EmptyState(), update)
