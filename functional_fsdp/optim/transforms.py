@@ -555,7 +555,7 @@ def trace(
         if not g:
             return updates, state
         if any(b.dtype != x.dtype for b, x in zip(buf, g)):  # a buffer in another dtype
-            new_buf = [x + decay * b for x, b in zip(g, buf)]
+            new_buf = [x + _rounded(decay, b.dtype) * b for x, b in zip(g, buf)]
             out = [x + decay * b for x, b in zip(g, new_buf)] if nesterov else new_buf
             stored = [n.to(b.dtype) for n, b in zip(new_buf, buf)]
             new_trace = optree.tree_unflatten(treedef, stored)
@@ -649,8 +649,9 @@ def scale_by_adam(
             return optree.tree_unflatten(treedef, out), state._replace(count=count)
         if same:
             new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
-        else:  # mu_dtype: the moment in the wider dtype, stored in its own
-            new_mu = [torch.lerp(*_promoted(m, x), 1.0 - b1) for m, x in zip(mu, g)]
+        else:  # mu_dtype: optax's arithmetic, in the wider dtype, stored in mu's
+            # (JAX rounds b1 to mu's dtype first: a Python scalar takes the array's dtype.)
+            new_mu = [(1.0 - b1) * x + _rounded(b1, m.dtype) * m for m, x in zip(mu, g)]
         new_nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1.0 - b2)
         if plain:
             denom = torch._foreach_add(
@@ -681,10 +682,9 @@ def scale_by_adam(
     return GradientTransformationExtraArgs(init, update)
 
 
-def _promoted(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """``tensors`` in their common dtype (the widest), as arithmetic on them would compute."""
-    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-    return [t.to(dtype) for t in tensors]
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (as JAX converts a Python scalar to an array's dtype)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def _bias_correction(beta: float, count: int | torch.Tensor) -> float | torch.Tensor:

@@ -1,0 +1,194 @@
+"""optax's combinators over parameter groups and hyperparameters: ``multi_transform`` and
+``inject_hyperparams``.
+
+Example:
+    >>> import torch
+    >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+    >>> opt = multi_transform({"fast": scale(2.0), "frozen": scale(0.0)}, {"w": "fast", "b": "frozen"})
+    >>> opt.update({"w": torch.ones(2), "b": torch.ones(1)}, opt.init(params), params)[0]
+    {'w': tensor([2., 2.]), 'b': tensor([0.])}
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+
+from .transforms import (
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    MaskedState,
+    OptState,
+    Params,
+    Updates,
+    _takes_one,
+    call_update,
+    masked,
+    scale,  # noqa: F401 (the module example)
+)
+
+
+class MultiTransformState(NamedTuple):
+    """State of :func:`multi_transform`: each group's :class:`MaskedState`, by label.
+
+    Example:
+        >>> import torch
+        >>> opt = multi_transform({"a": scale(1.0)}, {"w": "a"})
+        >>> opt.init({"w": torch.ones(1)})
+        MultiTransformState(inner_states={'a': MaskedState(inner_state=EmptyState())})
+    """
+
+    inner_states: dict[Hashable, MaskedState]  # one per label, over that group's leaves
+
+
+def multi_transform(
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: Any,
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Parameter groups, optax's way: each leaf gets the transformation of its label.
+
+    Args:
+        transforms: ``{label: transformation}``.
+        param_labels: a tree of labels like the params (or a prefix), or ``fn(params)``
+            returning one (``Sharded`` values are leaves of ``params``).
+        mask_compatible_extra_args: accepted for optax's signature; extra arguments go to
+            each group's transformation as :func:`masked` passes them.
+
+    Example:
+        >>> import torch
+        >>> labels = lambda params: {k: "decay" if v.ndim > 1 else "none" for k, v in params.items()}
+        >>> opt = multi_transform({"decay": scale(0.5), "none": scale(1.0)}, labels)
+        >>> params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+        >>> u, _ = opt.update({"w": torch.ones(2, 2), "b": torch.ones(2)}, opt.init(params), params)
+        >>> u["w"][0].tolist(), u["b"].tolist()
+        ([0.5, 0.5], [1.0, 1.0])
+    """
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise TypeError(
+            f"multi_transform: transforms must be a non-empty dict {{label: transformation}}, "
+            f"got {transforms!r}."
+        )
+    for label, t in transforms.items():
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"multi_transform: transforms[{label!r}] is {t!r}, not a GradientTransformation."
+            )
+
+    def labels_of(params: Params) -> Any:
+        labels = (
+            param_labels(params)
+            if callable(param_labels) and _takes_one(param_labels)
+            else param_labels
+        )
+        missing = {x for x in optree.tree_leaves(labels)} - set(transforms)
+        if missing:
+            raise ValueError(
+                f"multi_transform: labels {sorted(map(repr, missing))} have no transformation; "
+                f"transforms has {sorted(map(repr, transforms))}. Add them to transforms."
+            )
+        return labels
+
+    def group(label: Hashable) -> Callable[[Params], Any]:
+        return lambda params: optree.tree_map(lambda x: x == label, labels_of(params))
+
+    groups = {label: masked(t, group(label)) for label, t in transforms.items()}
+
+    def init(params: Params) -> MultiTransformState:
+        labels_of(params)
+        return MultiTransformState({label: g.init(params) for label, g in groups.items()})
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        new_states = {}
+        for label, g in groups.items():
+            updates, new_states[label] = call_update(
+                g, updates, state.inner_states[label], params, extra
+            )
+        return updates, MultiTransformState(new_states)
+
+    return GradientTransformationExtraArgs(init, update)
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of :func:`inject_hyperparams`.
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.optim.transforms import sgd
+        >>> opt = inject_hyperparams(sgd)(learning_rate=0.1)
+        >>> opt.init({"w": torch.ones(1)}).hyperparams
+        {'learning_rate': 0.1}
+    """
+
+    count: int  # updates so far: schedules are evaluated at it
+    hyperparams: dict[str, float]  # the values the next update uses (settable between steps)
+    inner_state: Any  # the inner transformation's state
+
+
+def inject_hyperparams(
+    inner_factory: Callable[..., GradientTransformation],
+    static_args: str | Iterable[str] = (),
+    hyperparam_dtype: Any = None,
+) -> Callable[..., GradientTransformationExtraArgs]:
+    """Make numeric arguments of ``inner_factory`` part of the state (optax's).
+
+    ``inject_hyperparams(adamw)(learning_rate=schedule, weight_decay=0.01)`` is an optimizer
+    whose state holds ``hyperparams``: each scheduled argument evaluated at the step count,
+    and each number as given, which may be changed in the state between steps. Arguments
+    named in ``static_args``, and those that are neither numbers nor callables, are passed
+    as given. ``hyperparam_dtype`` is accepted for optax's signature (values are Python
+    floats here).
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.optim.transforms import sgd
+        >>> opt = inject_hyperparams(sgd)(learning_rate=lambda step: 0.1 / (step + 1))
+        >>> params = {"w": torch.ones(1)}
+        >>> state = opt.init(params)
+        >>> _, state = opt.update({"w": torch.ones(1)}, state, params)  # the rate at step 0
+        >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
+        >>> state.hyperparams
+        {'learning_rate': 0.05}
+    """
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(inner_factory)
+
+    def factory(*args: Any, **kwargs: Any) -> GradientTransformationExtraArgs:
+        bound = signature.bind(*args, **kwargs).arguments
+        fixed, numeric, scheduled = {}, {}, {}
+        for name, value in bound.items():
+            if name in static:
+                fixed[name] = value
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                numeric[name] = float(value)
+            elif callable(value) and not isinstance(value, GradientTransformation):
+                scheduled[name] = value
+            else:
+                fixed[name] = value
+
+        def values(count: int, current: dict[str, float]) -> dict[str, float]:
+            return {**current, **{k: float(fn(count)) for k, fn in scheduled.items()}}
+
+        def init(params: Params) -> InjectHyperparamsState:
+            hyper = values(0, numeric)
+            inner = inner_factory(**fixed, **hyper)
+            return InjectHyperparamsState(0, hyper, inner.init(params))
+
+        def update(
+            updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+        ) -> tuple[Updates, OptState]:
+            hyper = values(state.count, state.hyperparams)
+            inner = inner_factory(**fixed, **hyper)
+            updates, inner_state = call_update(inner, updates, state.inner_state, params, extra)
+            return updates, InjectHyperparamsState(state.count + 1, hyper, inner_state)
+
+        return GradientTransformationExtraArgs(init, update)
+
+    return factory
