@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import functional_fsdp as ff
-from functional_fsdp.optim import combine, elementwise
+from functional_fsdp.optim import elementwise, wrappers
 from functional_fsdp.optim import schedules as fs
 from functional_fsdp.optim.clipping import global_norm_and_finite
 
@@ -61,14 +61,20 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
     "zero_nans": lambda: ff.chain(elementwise.zero_nans(), ff.sgd(0.1)),
     "ema": lambda: ff.chain(elementwise.ema(0.9), ff.sgd(0.1)),
     "lion": lambda: elementwise.lion(1e-2),
+    "lamb": lambda: elementwise.lamb(1e-2, weight_decay=0.01),
+    "lamb_mask_fn": lambda: elementwise.lamb(1e-2, weight_decay=0.5, mask=decay_matrices),
     "lion_mask_fn": lambda: elementwise.lion(1e-2, weight_decay=0.5, mask=decay_matrices),
-    "multi_transform": lambda: combine.multi_transform(
+    "multi_transform": lambda: wrappers.multi_transform(
         {"adam": ff.adam(1e-2), "sgd": ff.sgd(0.1, 0.9)}, labels
     ),
-    "inject_hyperparams": lambda: combine.inject_hyperparams(ff.adamw)(
+    "inject_hyperparams": lambda: wrappers.inject_hyperparams(ff.adamw)(
         learning_rate=fs.warmup_cosine_decay_schedule(**SCHEDULE), weight_decay=0.01
     ),
     "apply_if_finite": lambda: ff.apply_if_finite(ff.sgd(0.1), 2),
+    "multi_steps": lambda: wrappers.MultiSteps(ff.adam(1e-2), 3),
+    "multi_steps_sum_schedule": lambda: wrappers.MultiSteps(
+        ff.sgd(0.1, 0.9), lambda step: 2 if step < 2 else 3, use_grad_mean=False
+    ),
 }
 
 

@@ -44,6 +44,8 @@ OPTAX = {
     "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),
     "ema": lambda: optax.chain(optax.ema(0.9), optax.sgd(0.1)),
     "lion": lambda: optax.lion(1e-2),
+    "lamb": lambda: optax.lamb(1e-2, weight_decay=0.01),
+    "lamb_mask_fn": lambda: optax.lamb(1e-2, weight_decay=0.5, mask=_decay),
     "lion_mask_fn": lambda: optax.lion(1e-2, weight_decay=0.5, mask=_decay),
     "multi_transform": lambda: optax.multi_transform(
         {"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, 0.9)}, _labels
@@ -52,6 +54,10 @@ OPTAX = {
         learning_rate=SCHEDULE, weight_decay=0.01
     ),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(0.1), 2),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), 3),
+    "multi_steps_sum_schedule": lambda: optax.MultiSteps(
+        optax.sgd(0.1, 0.9), lambda step: 2 if step < 2 else 3, use_grad_mean=False
+    ),
 }
 assert set(OPTAX) == set(W.CASES)
 

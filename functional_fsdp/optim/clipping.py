@@ -189,6 +189,52 @@ def _reduce(where: str, tree: Any, *, finite: bool) -> tuple[torch.Tensor, torch
     return norm, torch.stack(list(bad.values())).sum() == 0
 
 
+def leaf_norms(tree: Any) -> list[torch.Tensor]:
+    """Each leaf's 2-norm over the whole value, correct across a mesh (a list in the order of
+    ``optree.tree_leaves(tree)``, ``Sharded`` values as leaves).
+
+    A ``Sharded`` leaf's local sum of squares (no padding) is summed over the axes its spec
+    splits it over, as in :func:`global_norm`: leaves split over the same axis share one
+    all-reduce of a stacked vector, so a 1-D mesh costs one all-reduce whatever the number of
+    leaves. Each norm is in the leaf's dtype widened to at least float32.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     g = ff.shard({"w": torch.full((3, 4), 0.5), "b": torch.ones(4)}, mesh, ff.P("dp"))
+        ...     [[round(x.item(), 4) for x in ff.rank_values(n)] for n in leaf_norms(g)]
+        [[2.0, 2.0], [1.7321, 1.7321]]
+    """
+    leaves = optree.tree_leaves(tree, none_is_leaf=False)
+    sums: list[torch.Tensor] = []
+    keys: list[tuple[DeviceMesh, tuple[str, ...]] | None] = []
+    for leaf in leaves:
+        if isinstance(leaf, Sharded):
+            t = _real_part(leaf)
+            axes = tuple(a for a in axis_names(leaf.mesh) if a in leaf.spec.axes)
+            keys.append((leaf.mesh, axes) if axes else None)
+        elif isinstance(leaf, torch.Tensor):
+            t = leaf
+            keys.append(None)
+        else:
+            raise TypeError(
+                f"leaf_norms: a leaf is {leaf!r} ({type(leaf).__name__}); expected a tree of "
+                f"tensors or Sharded values."
+            )
+        sums.append(torch.linalg.vector_norm(t, dtype=norm_dtype([t.dtype])).square())
+    meshes: dict[DeviceMesh, None] = {k[0]: None for k in keys if k is not None}
+    for mesh in meshes:
+        for axis in axis_names(mesh):
+            idx = [i for i, k in enumerate(keys) if k is not None and k[0] == mesh and axis in k[1]]
+            if idx:
+                dtype = norm_dtype(sums[i].dtype for i in idx)
+                stacked = torch.stack([sums[i].to(dtype) for i in idx])
+                summed = C.wait(C.raw_all_reduce(stacked, mesh, axis)).unbind(0)
+                for i, v in zip(idx, summed):
+                    sums[i] = v.to(sums[i].dtype)
+    return [x.sqrt() for x in sums]
+
+
 def clip_by_global_norm(max_norm: float, *, eps: float = 0.0) -> GradientTransformationExtraArgs:
     """Scale updates by ``max_norm / global_norm`` when the norm exceeds ``max_norm`` (optax).
 

@@ -1,7 +1,9 @@
-"""optax's element-wise transformations: ``clip``, ``zero_nans``, ``ema`` and Lion.
+"""optax's element-wise and per-leaf transformations: ``clip``, ``zero_nans``, ``ema``, Lion,
+and LAMB's trust ratio.
 
-Each maps over the local tensors of the tree, so a ``Sharded`` value needs nothing more: an
-element's update depends on that element alone.
+The element-wise ones map over the local tensors of the tree, so a ``Sharded`` value needs
+nothing more: an element's update depends on that element alone. The trust ratio reduces
+over each whole leaf, across the mesh.
 
 Example:
     >>> import torch
@@ -18,6 +20,7 @@ import optree
 import torch
 
 from ._tree import (
+    SAME_PARAMS_HINT,
     check_dtype,
     check_real,
     check_tensor_tree,
@@ -26,6 +29,7 @@ from ._tree import (
     local_leaves,
     zeros_like_tree,
 )
+from .clipping import leaf_norms
 from .schedules import Schedule
 from .transforms import (
     EmptyState,
@@ -39,6 +43,7 @@ from .transforms import (
     _rounded,
     add_decayed_weights,
     chain,
+    scale_by_adam,
     scale_by_learning_rate,
 )
 
@@ -225,5 +230,77 @@ def lion(
     return chain(
         scale_by_lion(b1, b2, mu_dtype),
         add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def scale_by_trust_ratio(
+    min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0
+) -> GradientTransformation:
+    """Scale each leaf's update by ``trust_coefficient * |param| / (|update| + eps)``, optax's
+    (LARS/LAMB's layer-wise trust ratio); ``1`` where either norm is zero.
+
+    The norms are over the whole leaf, however it is sharded
+    (:func:`~functional_fsdp.optim.clipping.leaf_norms`: one all-reduce per mesh axis for all
+    leaves), so every rank scales its block of a leaf by the same ratio. Norms under
+    ``min_norm`` count as ``min_norm``. ``update`` needs ``params``.
+
+    Example:
+        >>> import torch
+        >>> t = scale_by_trust_ratio()
+        >>> p = {"w": torch.tensor([3.0, 4.0])}
+        >>> t.update({"w": torch.tensor([0.0, 0.5])}, t.init(p), p)[0]
+        {'w': tensor([0., 5.])}
+    """
+    min_norm = check_real("scale_by_trust_ratio", "min_norm", min_norm, low=0.0)
+    trust_coefficient = check_real("scale_by_trust_ratio", "trust_coefficient", trust_coefficient)
+    eps = check_real("scale_by_trust_ratio", "eps", eps, low=0.0)
+
+    def update(
+        updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, OptState]:
+        if params is None:
+            raise ValueError(
+                "scale_by_trust_ratio needs the params: call opt.update(grads, state, params)."
+            )
+        u, treedef = local_leaves(updates)
+        leaves_like("scale_by_trust_ratio", "params", params, updates, SAME_PARAMS_HINT)
+        n = len(u)
+        norms = leaf_norms((params, updates))  # one set of collectives for both trees
+        out = []
+        for x, p_norm, u_norm in zip(u, norms[:n], norms[n:]):
+            p_norm = torch.clamp_min(p_norm, min_norm) if min_norm else p_norm
+            u_norm = torch.clamp_min(u_norm, min_norm) if min_norm else u_norm
+            ratio = trust_coefficient * p_norm / (u_norm + eps)
+            ratio = torch.where((p_norm == 0) | (u_norm == 0), 1.0, ratio)
+            out.append(x * ratio.to(x.dtype))
+        return optree.tree_unflatten(treedef, out), state
+
+    return GradientTransformationExtraArgs(lambda params: EmptyState(), update)
+
+
+def lamb(
+    learning_rate: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+    mask: Mask | None = None,
+) -> GradientTransformation:
+    """LAMB (You et al. 2020), optax's: Adam, decoupled weight decay, the per-leaf trust
+    ratio over the whole (sharded) leaf, the learning rate.
+
+    Example:
+        >>> import torch
+        >>> opt = lamb(0.1)
+        >>> params = {"w": torch.tensor([3.0, 4.0])}
+        >>> opt.update({"w": torch.tensor([1.0, 1.0])}, opt.init(params), params)[0]["w"]
+        tensor([-0.3536, -0.3536])
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_trust_ratio(),
         scale_by_learning_rate(learning_rate),
     )

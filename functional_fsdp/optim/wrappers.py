@@ -1,5 +1,5 @@
-"""optax's combinators over parameter groups and hyperparameters: ``multi_transform`` and
-``inject_hyperparams``.
+"""optax's wrappers: parameter groups (``multi_transform``), hyperparameters in the state
+(``inject_hyperparams``) and gradient accumulation (``MultiSteps``).
 
 Example:
     >>> import torch
@@ -17,7 +17,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import optree
+import torch
 
+from ._tree import check_dtype, leaves_like, local_leaves, zeros_like_tree
 from .transforms import (
     GradientTransformation,
     GradientTransformationExtraArgs,
@@ -29,6 +31,7 @@ from .transforms import (
     call_update,
     masked,
     scale,  # noqa: F401 (the module example)
+    without,
 )
 
 
@@ -192,3 +195,131 @@ def inject_hyperparams(
         return GradientTransformationExtraArgs(init, update)
 
     return factory
+
+
+class MultiStepsState(NamedTuple):
+    """State of :class:`MultiSteps` (optax's fields).
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.optim.transforms import sgd
+        >>> MultiSteps(sgd(0.1), 2).init({"w": torch.ones(1)}).mini_step
+        0
+    """
+
+    mini_step: int  # micro-steps accumulated since the last update
+    gradient_step: int  # updates applied (schedules of every_k_schedule read it)
+    inner_opt_state: Any  # the inner optimizer's state
+    acc_grads: Any  # like params (layouts kept; dtype accumulator_dtype): the running sum
+    # or mean of this round's gradients
+    skip_state: Any = ()  # optax's field; always () here
+
+
+class MultiSteps:
+    """Apply ``opt`` every ``k`` calls, to the mean (or sum) of the ``k`` gradients (optax's).
+
+    The other ``k - 1`` calls return zero updates and leave the inner state as it was. The
+    accumulator has the layouts of the params (a ``Sharded`` leaf's accumulator is sharded
+    the same way), in ``accumulator_dtype``. The counters are Python ints, so which calls
+    update is decided on the host with no device read.
+
+    Args:
+        opt: the optimizer to apply.
+        every_k_schedule: ``k``, or ``fn(gradient_step) -> k``.
+        use_grad_mean: average the gradients (``acc + (g - acc) / (n + 1)``, optax's
+            arithmetic); ``False`` sums them.
+        should_skip_update_fn: must be ``None`` here (skip non-finite steps with
+            :func:`~functional_fsdp.apply_if_finite` around the inner optimizer instead).
+        accumulator_dtype: the accumulator's dtype (float32 by default, as optax's).
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.optim.transforms import sgd
+        >>> opt = MultiSteps(sgd(1.0), every_k_schedule=2)
+        >>> params = {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> u, state = opt.update({"w": torch.ones(1)}, state, params)
+        >>> u, state = opt.update({"w": torch.full((1,), 3.0)}, state, params)
+        >>> u, state.gradient_step
+        ({'w': tensor([-2.])}, 1)
+    """
+
+    def __init__(
+        self,
+        opt: GradientTransformation,
+        every_k_schedule: int | Callable[[int], int],
+        use_grad_mean: bool = True,
+        should_skip_update_fn: Any = None,
+        accumulator_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(opt, GradientTransformation):
+            raise TypeError(f"MultiSteps: opt must be a GradientTransformation, got {opt!r}.")
+        if should_skip_update_fn is not None:
+            raise TypeError(
+                "MultiSteps: should_skip_update_fn is not supported; wrap the inner optimizer "
+                "in ff.apply_if_finite(opt, max_consecutive_errors) to skip non-finite steps."
+            )
+        if isinstance(every_k_schedule, numbers.Integral):
+            if isinstance(every_k_schedule, bool) or every_k_schedule < 1:
+                raise ValueError(
+                    f"MultiSteps: every_k_schedule must be an int >= 1 or a schedule, got "
+                    f"{every_k_schedule!r}."
+                )
+            k = int(every_k_schedule)
+            self._every_k: Callable[[int], int] = lambda step: k
+        elif callable(every_k_schedule):
+            self._every_k = every_k_schedule
+        else:
+            raise TypeError(
+                f"MultiSteps: every_k_schedule must be an int or fn(step) -> int, got "
+                f"{every_k_schedule!r}."
+            )
+        self._opt = opt
+        self._mean = bool(use_grad_mean)
+        self._dtype = check_dtype("MultiSteps", "accumulator_dtype", accumulator_dtype)
+
+    @property
+    def inner_opt(self) -> GradientTransformation:
+        """The optimizer applied every ``k`` calls."""
+        return self._opt
+
+    def init(self, params: Params) -> MultiStepsState:
+        """The state: counters at 0, the inner state, a zero accumulator like ``params``."""
+        return MultiStepsState(0, 0, self._opt.init(params), zeros_like_tree(params, self._dtype))
+
+    def update(
+        self, updates: Updates, state: MultiStepsState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, MultiStepsState]:
+        """Accumulate ``updates``; every ``k``-th call, apply the inner optimizer."""
+        if isinstance(state.mini_step, torch.Tensor):
+            raise TypeError(
+                "MultiSteps: the state's counters are tensors (apply_if_finite around "
+                "MultiSteps makes them so); put apply_if_finite inside instead: "
+                "MultiSteps(ff.apply_if_finite(opt, 5), k)."
+            )
+        k = int(self._every_k(state.gradient_step))
+        acc = leaves_like("MultiSteps", "state.acc_grads", state.acc_grads, updates)
+        g, treedef = local_leaves(updates)
+        n = state.mini_step
+        if self._mean:
+            new_acc = [a + (x - a) / (n + 1) for x, a in zip(g, acc)]
+        else:
+            new_acc = [x + a for x, a in zip(g, acc)]
+        new_acc = [a.to(self._dtype) for a in new_acc]
+        if n + 1 < k:  # a micro-step: zero updates, the inner state kept
+            zeros = optree.tree_unflatten(treedef, [torch.zeros_like(x) for x in g])
+            return zeros, state._replace(
+                mini_step=n + 1, acc_grads=optree.tree_unflatten(treedef, new_acc)
+            )
+        mean = optree.tree_unflatten(treedef, [a.to(x.dtype) for a, x in zip(new_acc, g)])
+        out, inner = call_update(self._opt, mean, state.inner_opt_state, params, without(extra))
+        zeros = optree.tree_unflatten(treedef, [torch.zeros_like(a) for a in new_acc])
+        return out, MultiStepsState(0, state.gradient_step + 1, inner, zeros, state.skip_state)
+
+    def has_updated(self, state: MultiStepsState) -> bool:
+        """Whether the last call applied the inner optimizer."""
+        return state.mini_step == 0 and state.gradient_step > 0
+
+    def gradient_transformation(self) -> GradientTransformationExtraArgs:
+        """This as a :class:`GradientTransformationExtraArgs` (for :func:`chain`)."""
+        return GradientTransformationExtraArgs(self.init, self.update)
