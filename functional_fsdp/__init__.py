@@ -65,6 +65,11 @@ from .optim.elementwise import lion as lion
 from .optim.elementwise import scale_by_lion as scale_by_lion
 from .optim.elementwise import scale_by_trust_ratio as scale_by_trust_ratio
 from .optim.elementwise import zero_nans as zero_nans
+from .optim.factored import FactoredState as FactoredState
+from .optim.factored import adafactor as adafactor
+from .optim.factored import clip_by_block_rms as clip_by_block_rms
+from .optim.factored import scale_by_factored_rms as scale_by_factored_rms
+from .optim.factored import scale_by_param_block_rms as scale_by_param_block_rms
 from .optim.finite import ApplyIfFiniteState as ApplyIfFiniteState
 from .optim.finite import apply_if_finite as apply_if_finite
 from .optim.masters import MasterWeightsState as MasterWeightsState
@@ -170,6 +175,7 @@ __all__ = [
     "EmaState",
     "EmptyState",
     "ExpertParallel",
+    "FactoredState",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "InjectHyperparamsState",
@@ -210,6 +216,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "WorkerError",
     "ZeroNansState",
+    "adafactor",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -224,6 +231,7 @@ __all__ = [
     "check_collectives",
     "checkpoint",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "combine",
     "compare_strategies",
@@ -281,8 +289,10 @@ __all__ = [
     "rng_key",
     "scale",
     "scale_by_adam",
+    "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_param_block_rms",
     "scale_by_schedule",
     "scale_by_trust_ratio",
     "scatter_to",

@@ -10,18 +10,20 @@ from typing import Any
 import torch
 
 import functional_fsdp as ff
-from functional_fsdp.optim import elementwise, wrappers
+from functional_fsdp.optim import elementwise, factored, wrappers
 from functional_fsdp.optim import schedules as fs
 from functional_fsdp.optim.clipping import global_norm_and_finite
 
-STEPS = 12
+STEPS = 9
 SCHEDULE = dict(init_value=0.0, peak_value=3e-2, warmup_steps=3, decay_steps=10, end_value=1e-3)
-SPECS = {"w": ff.P("dp"), "c": ff.P(None, "dp"), "b": ff.P(), "v": ff.P("dp")}
+# w: split along its longest dim (rows); c: along its longest (columns); r: along its shorter
+# dim (rows); each unevenly.
+SPECS = {"w": ff.P("dp"), "c": ff.P(None, "dp"), "r": ff.P("dp"), "b": ff.P(), "v": ff.P("dp")}
 
 
 def params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    shapes = {"w": (7, 3), "c": (3, 7), "b": (1,), "v": (5,)}
+    shapes = {"w": (7, 3), "c": (3, 7), "r": (3, 5), "b": (1,), "v": (5,)}
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
@@ -71,6 +73,10 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
         learning_rate=fs.warmup_cosine_decay_schedule(**SCHEDULE), weight_decay=0.01
     ),
     "apply_if_finite": lambda: ff.apply_if_finite(ff.sgd(0.1), 2),
+    "adafactor": lambda: factored.adafactor(1e-2, min_dim_size_to_factor=2),
+    "adafactor_momentum_decay": lambda: factored.adafactor(
+        1e-2, 3, momentum=0.9, weight_decay_rate=0.1, weight_decay_mask=decay_matrices
+    ),
     "multi_steps": lambda: wrappers.MultiSteps(ff.adam(1e-2), 3),
     "multi_steps_sum_schedule": lambda: wrappers.MultiSteps(
         ff.sgd(0.1, 0.9), lambda step: 2 if step < 2 else 3, use_grad_mean=False
