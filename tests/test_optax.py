@@ -256,3 +256,25 @@ def test_schedules_match_optax(name: str) -> None:
     # The same values from a count held as a tensor (apply_if_finite's states), no host read.
     on_device = [ours(torch.tensor(c)).item() for c in counts]
     np.testing.assert_allclose(on_device, got, rtol=1e-12, atol=1e-15)
+
+
+def test_bad_arguments_say_how_to_fix() -> None:
+    from functional_fsdp.optim import wrappers
+
+    p = {"w": torch.ones(2)}
+    with pytest.raises(TypeError, match=r"mu_dtype must be a floating torch.dtype .* got 'bf16'"):
+        ff.adam(1e-3, mu_dtype="bf16")
+    with pytest.raises(ValueError, match=r"labels \['x'\] have no transformation.*Add them"):
+        ff.multi_transform({"a": ff.sgd(0.1)}, {"w": "x"}).init(p)
+    with pytest.raises(TypeError, match=r"should_skip_update_fn is not supported.*apply_if_finite"):
+        wrappers.MultiSteps(ff.sgd(0.1), 2, should_skip_update_fn=lambda *a: None)
+    with pytest.raises(ValueError, match=r"every_k_schedule must be an int >= 1"):
+        ff.MultiSteps(ff.sgd(0.1), 0)
+    guarded = ff.apply_if_finite(ff.MultiSteps(ff.sgd(0.1), 2).gradient_transformation(), 1)
+    with pytest.raises(TypeError, match=r"put apply_if_finite inside instead"):
+        guarded.update(p, guarded.init(p), p)
+    with pytest.raises(ValueError, match=r"scale_by_trust_ratio needs the params"):
+        ff.scale_by_trust_ratio().update(p, ff.EmptyState())
+    with pytest.raises(ValueError, match=r"scale_by_factored_rms needs the params"):
+        t = ff.scale_by_factored_rms()
+        t.update(p, t.init(p))

@@ -92,8 +92,8 @@ def multi_transform(
         missing = {x for x in optree.tree_leaves(labels)} - set(transforms)
         if missing:
             raise ValueError(
-                f"multi_transform: labels {sorted(map(repr, missing))} have no transformation; "
-                f"transforms has {sorted(map(repr, transforms))}. Add them to transforms."
+                f"multi_transform: labels {sorted(missing, key=repr)} have no transformation; "
+                f"transforms has {sorted(transforms, key=repr)}. Add them to transforms."
             )
         return labels
 
