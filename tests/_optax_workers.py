@@ -125,5 +125,8 @@ def on_two_ranks(names: list[str]) -> dict[str, Any]:
     bad["w"] = big["w"].clone()
     bad["w"][6, 0] = float("nan")  # row 6 lives on rank 1
     out["nan_on_rank_1"] = [x.item() for x in global_norm_and_finite(ff.shard(bad, mesh, SPECS))]
+    # A one-element leaf split over 2 ranks: rank 1's block is all padding (empty).
+    tiny = ff.shard({"x": torch.tensor([1e20])}, mesh, ff.P("dp"))
+    out["empty_block"] = [x.item() for x in global_norm_and_finite(tiny)]
     out["rank"] = rank
     return out

@@ -116,6 +116,7 @@ def test_matches_optax_on_two_ranks_with_sharded_leaves(pools: Any) -> None:
         assert r["huge_finite"] == [math.inf, True]
         # A NaN on rank 1's block only: both ranks say not finite.
         assert r["nan_on_rank_1"][1] is False
+        assert r["empty_block"] == [math.inf, True]
 
 
 def test_optax_signatures_positional_order_and_defaults() -> None:

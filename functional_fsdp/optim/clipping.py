@@ -171,8 +171,20 @@ def _reduce(where: str, tree: Any, *, finite: bool) -> tuple[torch.Tensor, torch
     # sum of squares). Counted beside the sums of squares, in the same all-reduces.
     bad: dict[Any, torch.Tensor] = {}
     if finite:
-        amax = torch.stack(torch._foreach_norm(tensors, math.inf))
-        flags = (~torch.isfinite(amax)).to(partial[keys[0]].dtype)
+        dtype = partial[keys[0]].dtype
+        full = [i for i, t in enumerate(tensors) if t.numel()]  # a block may be all padding
+        amax = (
+            dict(zip(full, torch._foreach_norm([tensors[i] for i in full], math.inf)))
+            if full
+            else {}
+        )
+        zero = torch.zeros((), dtype=dtype, device=norms[0].device)
+        flags = torch.stack(
+            [
+                (~torch.isfinite(amax[i])).to(dtype) if i in amax else zero
+                for i in range(len(tensors))
+            ]
+        )
         bad = {key: flags[idx].sum() for key, idx in groups.items()}
     meshes: dict[DeviceMesh, None] = {k[0]: None for k in partial if k is not None}
     for mesh in meshes:
