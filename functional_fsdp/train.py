@@ -695,7 +695,8 @@ def train_step(
     Returns:
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
         ``model=``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
-        ``nan`` if unknown) and ``finite`` (whether the loss and every gradient element are finite); with
+        ``nan`` if unknown) and ``finite`` (whether the loss and every gradient element are
+        finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
         and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
         what the new optimizer state records (``optim/records.py``: a state class lists

@@ -129,8 +129,8 @@ class GradientTransformationExtraArgs(GradientTransformation):
       the step computes for its metrics anyway: :func:`~functional_fsdp.clip_by_global_norm`
       uses it instead of another all-reduce. It describes the updates a transformation
       receives, so :func:`chain` gives it to its first member only.
-    * ``finite``: whether this step's loss and gradient norm are finite, the same on every
-      rank (read by :func:`~functional_fsdp.apply_if_finite`).
+    * ``finite``: whether this step's loss and every gradient element are finite, the same
+      on every rank (read by :func:`~functional_fsdp.apply_if_finite`).
 
     Example:
         >>> import torch
