@@ -41,7 +41,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=128, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.width)
     f = ff.fsdp(GPT(cfg), ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.adamw(1e-3)
+    opt = ff.adamw(1e-3, weight_decay=0.01)
     step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 128, (8, 65), generator=gen) for _ in range(4)]

@@ -113,7 +113,7 @@ def main() -> None:
     mesh = ff.make_mesh({"dp": world}, device_type=device.type)
 
     sharded_model = ff.fsdp(model, mesh)
-    opt = ff.chain(ff.clip_by_global_norm(CLIP), ff.adamw(LR, weight_decay=0.1))
+    opt = ff.chain(ff.clip_by_global_norm(CLIP, eps=1e-6), ff.adamw(LR, weight_decay=0.1))
     step = ff.train_step(
         lambda p, b: lm_loss(sharded_model.apply(p, b[0]), b[1]),
         opt,

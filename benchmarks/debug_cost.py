@@ -36,7 +36,7 @@ def step_seconds(cfg: GPTConfig, steps: int, check: bool) -> float:
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, cfg.vocab_size, (BATCH, TOKENS), generator=gen) for _ in range(steps)]
     with ff.check_collectives(check):
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         step = ff.train_step(lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
         state, _ = step(state, data[0])  # warm-up
@@ -51,7 +51,7 @@ def step_seconds(cfg: GPTConfig, steps: int, check: bool) -> float:
 def collectives_per_step(cfg: GPTConfig) -> float:
     torch.manual_seed(0)
     sm = ff.fsdp(GPT(cfg), ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.adamw(1e-2)
+    opt = ff.adamw(1e-2, weight_decay=0.01)
     step = ff.train_step(lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sm)
     state = ff.TrainState.create(sm.shard(), opt)
     batch = torch.randint(0, cfg.vocab_size, (BATCH, TOKENS))

@@ -204,7 +204,7 @@ def run_ff(config: Any, src: str, out: str, mesh: Any) -> dict[str, Callable[[],
 
     def train() -> None:
         buffers = _rotary_buffers(config)
-        opt = ff.adamw(LR)
+        opt = ff.adamw(LR, weight_decay=0.01)
 
         def loss_fn(p: dict, b: torch.Tensor) -> torch.Tensor:
             return sm.apply(p, input_ids=b, labels=b, buffers=buffers).loss

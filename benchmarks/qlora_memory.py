@@ -192,7 +192,7 @@ def run_ff(
     tables = replicated_bytes(sm.module)  # a 4-bit base's code tables, whole on every rank
     at_rest = sum(params[k].local.nbytes for k in frozen) + tables
     proj = sum(params[k].local.nbytes for k in frozen if "_proj" in k) + tables
-    opt = ff.adamw(1e-3)
+    opt = ff.adamw(1e-3, weight_decay=0.01)
     step = ff.train_step(
         lambda p, b: sm.apply(p, input_ids=b, labels=b, buffers=buffers).loss, opt, model=sm
     )

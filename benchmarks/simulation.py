@@ -114,7 +114,7 @@ def bench_step(n: int, steps: int, batch: int, profile: bool) -> dict[str, float
     sim_cpu: list[float] = []
     with ff.simulated_mesh({"dp": n}) as mesh:
         sm = ff.fsdp(model, mesh)
-        optimizer = ff.adamw(1e-3)
+        optimizer = ff.adamw(1e-3, weight_decay=0.01)
         step = ff.train_step(
             lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), optimizer, model=sm
         )
@@ -162,7 +162,7 @@ def bench_shapes_only(n: int, profile: bool) -> dict[str, Any]:
             model = GPT(cfg)
         with ff.simulated_mesh({"dp": n}, shapes_only=True) as mesh:
             sm = ff.fsdp(model, mesh)
-            optimizer = ff.adamw(1e-3)
+            optimizer = ff.adamw(1e-3, weight_decay=0.01)
             step = ff.train_step(
                 lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), optimizer, model=sm
             )

@@ -310,7 +310,9 @@ def main() -> None:
     schedule = ff.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10
     )
-    optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(schedule, weight_decay=0.0))
+    optimizer = ff.chain(
+        ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(schedule, weight_decay=0.0)
+    )
 
     def loss_fn(p: dict, batch: torch.Tensor) -> torch.Tensor:
         return sm.apply(p, input_ids=batch, labels=batch, buffers=buffers).loss

@@ -102,7 +102,7 @@ def main() -> None:
     )
     no_decay = lambda path, p: p.ndim >= 2  # noqa: E731  (decay matrices, not biases and norms)
     optimizer = ff.chain(
-        ff.clip_by_global_norm(1.0), ff.adamw(schedule, weight_decay=0.1, mask=no_decay)
+        ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(schedule, weight_decay=0.1, mask=no_decay)
     )
     if bf16 and replicated:  # bf16 replicas; fp32 masters with the (sharded) optimizer state
         optimizer = ff.master_weights(optimizer, param_dtype=torch.bfloat16)

@@ -55,6 +55,23 @@ from .models.gpt import gpt_plan as gpt_plan
 from .models.llama import llama_plan as llama_plan
 from .optim.clipping import clip_by_global_norm as clip_by_global_norm
 from .optim.clipping import global_norm as global_norm
+from .optim.clipping import global_norm_and_finite as global_norm_and_finite
+from .optim.clipping import leaf_norms as leaf_norms
+from .optim.elementwise import EmaState as EmaState
+from .optim.elementwise import ScaleByLionState as ScaleByLionState
+from .optim.elementwise import ZeroNansState as ZeroNansState
+from .optim.elementwise import clip as clip
+from .optim.elementwise import ema as ema
+from .optim.elementwise import lamb as lamb
+from .optim.elementwise import lion as lion
+from .optim.elementwise import scale_by_lion as scale_by_lion
+from .optim.elementwise import scale_by_trust_ratio as scale_by_trust_ratio
+from .optim.elementwise import zero_nans as zero_nans
+from .optim.factored import FactoredState as FactoredState
+from .optim.factored import adafactor as adafactor
+from .optim.factored import clip_by_block_rms as clip_by_block_rms
+from .optim.factored import scale_by_factored_rms as scale_by_factored_rms
+from .optim.factored import scale_by_param_block_rms as scale_by_param_block_rms
 from .optim.finite import ApplyIfFiniteState as ApplyIfFiniteState
 from .optim.finite import apply_if_finite as apply_if_finite
 from .optim.masters import MasterWeightsState as MasterWeightsState
@@ -63,8 +80,14 @@ from .optim.records import learning_rate_of as learning_rate_of
 from .optim.schedules import Schedule as Schedule
 from .optim.schedules import constant_schedule as constant_schedule
 from .optim.schedules import cosine_decay_schedule as cosine_decay_schedule
+from .optim.schedules import cosine_onecycle_schedule as cosine_onecycle_schedule
+from .optim.schedules import exponential_decay as exponential_decay
 from .optim.schedules import join_schedules as join_schedules
+from .optim.schedules import linear_onecycle_schedule as linear_onecycle_schedule
 from .optim.schedules import linear_schedule as linear_schedule
+from .optim.schedules import piecewise_constant_schedule as piecewise_constant_schedule
+from .optim.schedules import polynomial_schedule as polynomial_schedule
+from .optim.schedules import sgdr_schedule as sgdr_schedule
 from .optim.schedules import warmup_cosine_decay_schedule as warmup_cosine_decay_schedule
 from .optim.transforms import EmptyState as EmptyState
 from .optim.transforms import GradientTransformation as GradientTransformation
@@ -90,6 +113,12 @@ from .optim.transforms import scale_by_learning_rate as scale_by_learning_rate
 from .optim.transforms import scale_by_schedule as scale_by_schedule
 from .optim.transforms import sgd as sgd
 from .optim.transforms import trace as trace
+from .optim.wrappers import InjectHyperparamsState as InjectHyperparamsState
+from .optim.wrappers import MultiSteps as MultiSteps
+from .optim.wrappers import MultiStepsState as MultiStepsState
+from .optim.wrappers import MultiTransformState as MultiTransformState
+from .optim.wrappers import inject_hyperparams as inject_hyperparams
+from .optim.wrappers import multi_transform as multi_transform
 from .planner import Comparison as Comparison
 from .planner import PlanReport as PlanReport
 from .planner import compare_strategies as compare_strategies
@@ -147,10 +176,13 @@ __all__ = [
     "CommRecord",
     "Comparison",
     "DonatedStateError",
+    "EmaState",
     "EmptyState",
     "ExpertParallel",
+    "FactoredState",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
+    "InjectHyperparamsState",
     "Jitted",
     "Layout",
     "LocalAttributes",
@@ -159,6 +191,9 @@ __all__ = [
     "MemoryEvent",
     "MemoryTracker",
     "MixedPrecision",
+    "MultiSteps",
+    "MultiStepsState",
+    "MultiTransformState",
     "P",
     "PlanReport",
     "Policy",
@@ -167,6 +202,7 @@ __all__ = [
     "ReplicatedParallel",
     "RowwiseParallel",
     "ScaleByAdamState",
+    "ScaleByLionState",
     "ScaleByScheduleState",
     "ScatterInput",
     "ScatterOutput",
@@ -185,6 +221,8 @@ __all__ = [
     "TransformUpdateFn",
     "VocabParallelEmbedding",
     "WorkerError",
+    "ZeroNansState",
+    "adafactor",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -198,16 +236,21 @@ __all__ = [
     "chain",
     "check_collectives",
     "checkpoint",
+    "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "combine",
     "compare_strategies",
     "constant_schedule",
     "copy_to",
     "cosine_decay_schedule",
+    "cosine_onecycle_schedule",
     "count_comms",
     "describe",
     "divide_by_tp",
+    "ema",
     "end_simulation",
+    "exponential_decay",
     "find_units",
     "fold_in",
     "from_torch_plan",
@@ -215,28 +258,37 @@ __all__ = [
     "gather",
     "gather_from",
     "global_norm",
+    "global_norm_and_finite",
     "gpt_plan",
     "hf_tp_plan",
     "identity",
     "init_distributed",
     "init_sharded",
+    "inject_hyperparams",
     "is_simulated",
     "jit",
     "join_schedules",
+    "lamb",
     "launch",
+    "leaf_norms",
     "learning_rate_of",
+    "linear_onecycle_schedule",
     "linear_schedule",
+    "lion",
     "llama_plan",
     "local_batch",
     "make_mesh",
     "masked",
     "master_weights",
+    "multi_transform",
     "parallelize_module",
     "partition",
+    "piecewise_constant_schedule",
     "plan",
     "plot_comms",
     "plot_losses",
     "plot_memory",
+    "polynomial_schedule",
     "rank_device",
     "rank_values",
     "reduce_from",
@@ -245,11 +297,16 @@ __all__ = [
     "rng_key",
     "scale",
     "scale_by_adam",
+    "scale_by_factored_rms",
     "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_param_block_rms",
     "scale_by_schedule",
+    "scale_by_trust_ratio",
     "scatter_to",
     "seeded",
     "sgd",
+    "sgdr_schedule",
     "shard",
     "simulated_mesh",
     "tensor_parallel",
@@ -263,6 +320,7 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
     "warmup_cosine_decay_schedule",
+    "zero_nans",
 ]
 
 

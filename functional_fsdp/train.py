@@ -40,7 +40,7 @@ from .fsdp.gradients import to_compute_layout
 from .fsdp.layout import gather_dtype
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
 from .grad_engine import Differentiator, Engine
-from .optim.clipping import global_norm
+from .optim.clipping import global_norm_and_finite
 from .optim.masters import MasterWeightsState, _widens
 from .optim.records import metrics_of
 from .optim.schedules import Schedule
@@ -707,7 +707,8 @@ def train_step(
         ``step(state, batch)``. Its metrics hold ``loss`` (the global-batch mean, with
         ``model=``), ``count`` (for a ``(sum, count)`` loss: the total count), ``aux``
         (with ``has_aux``), ``grad_norm`` (global, mesh-aware), ``lr`` (the rate of this update;
-        ``nan`` if unknown) and ``finite`` (whether loss and gradient norm are finite); with
+        ``nan`` if unknown) and ``finite`` (whether the loss and every gradient element are
+        finite); with
         :func:`~functional_fsdp.apply_if_finite` also ``skipped`` (this update was skipped)
         and ``nonfinite_steps`` (so far). ``lr``, ``skipped`` and ``nonfinite_steps`` are
         what the new optimizer state records (``optim/records.py``: a state class lists
@@ -1026,8 +1027,9 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     grads = path.grads
     if items is not None:
         grads = to_token_mean(model, grads, path.outputs.parts, items)
-    norm = global_norm(grads)
-    finite = torch.isfinite(loss) & torch.isfinite(norm)
+    # Element by element: a finite gradient may overflow the norm (optax's rule).
+    norm, grads_finite = global_norm_and_finite(grads)
+    finite = torch.isfinite(loss) & grads_finite
     given_lr = None  # train_step(learning_rate=...): computed before anything is written
     if cfg.learning_rate is not None:
         lr_ = cfg.learning_rate
@@ -1037,7 +1039,7 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
     # the same on every rank: the global norm, and the all-reduced loss's finiteness.
     extra = {
-        "finite": finite if model is not None else torch.isfinite(norm),
+        "finite": finite if model is not None else grads_finite,
         "grad_norm": norm,  # clip_by_global_norm's: computed once per step
         "donate": donate,
     }

@@ -306,7 +306,7 @@ def _gpt_case(name: str, device: str) -> dict[str, Any]:
     model, idx, tgt = model.to(dev), idx.to(dev), tgt.to(dev)
     axes = {"hsdp": {"replicate": 2, "shard": 2}, "tp": {"dp": 2, "tp": 2}}.get(name, {"dp": 2})
     mesh = ff.make_mesh(axes, device_type=dev.type)
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-2, weight_decay=0.1))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(1e-2, weight_decay=0.1))
     opt_specs = ff.P("dp") if name == "zero1" else None
     if name == "tp":
         tp = tensor_parallel(model, mesh, gpt_plan(CFG))
@@ -368,7 +368,7 @@ def _transformers_case(device: str) -> dict[str, Any]:
     model, ids = model.to(dev), ids.to(dev)
     mesh = ff.make_mesh({"dp": 2}, device_type=dev.type)
     f = ff.fsdp(model, mesh)
-    opt = ff.adamw(1e-2)
+    opt = ff.adamw(1e-2, weight_decay=0.01)
 
     def loss_fn(p: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
         return f.apply(p, **b, labels=b["input_ids"], use_cache=False).loss

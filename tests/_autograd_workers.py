@@ -63,7 +63,9 @@ def gpt_run(
     model = GPT(CFG).train()
     mesh = ff.make_mesh(axes)
     f = _sharding(model, mesh, how)
-    opt = ff.apply_if_finite(ff.chain(ff.clip_by_global_norm(0.5), ff.adamw(LR, **OPT)), 3)
+    opt = ff.apply_if_finite(
+        ff.chain(ff.clip_by_global_norm(0.5, eps=1e-6), ff.adamw(LR, **OPT)), 3
+    )
     step = ff.train_step(
         lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]),
         opt,

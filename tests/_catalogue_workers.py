@@ -191,7 +191,7 @@ def _zero_step(ctx: Ctx, create_specs: Any, step_specs: Any) -> Any:
     """ZeRO on an MLP: replicated params, a state created with ``create_specs``, a step built
     with ``train_step(opt_specs=step_specs)``; runs one step."""
     sm = ff.fsdp(mlp(), ctx.mesh, specs=P())
-    opt = ff.adamw(0.1)
+    opt = ff.adamw(0.1, weight_decay=0.01)
     step = ff.train_step(
         lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm, opt_specs=step_specs
     )
@@ -367,7 +367,7 @@ def _lora_state_without_trainable(ctx: Ctx) -> Any:
     from ._trainable_workers import lora_llama
 
     model, _ = lora_llama()
-    return ff.TrainState.create(ff.fsdp(model, ctx.mesh).shard(), ff.adamw(1e-3))
+    return ff.TrainState.create(ff.fsdp(model, ctx.mesh).shard(), ff.adamw(1e-3, weight_decay=0.01))
 
 
 def _per_rank_global_batch(ctx: Ctx) -> Any:
@@ -1349,7 +1349,7 @@ CASES: list[Case] = [
         (
             "TrainState.create: optimizer must be a GradientTransformation",
             "got AdamW: torch.optim.AdamW holds its own state",
-            "ff.adamw(3e-4)",
+            "ff.adamw(3e-4, weight_decay=0.01)",
         ),
         lambda ctx: ff.TrainState.create(
             ff.fsdp(mlp(), ctx.mesh).shard(), torch.optim.AdamW(mlp().parameters())

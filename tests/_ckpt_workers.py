@@ -16,7 +16,7 @@ def _setup(axes: dict, seed: int = 0):
     model = GPT(CFG)
     mesh = ff.make_mesh(axes)
     f = ff.fsdp(model, mesh)
-    opt = ff.adamw(1e-2, eps=1e-6)
+    opt = ff.adamw(1e-2, eps=1e-6, weight_decay=0.01)
     step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
     return f, opt, step
 

@@ -56,7 +56,7 @@ def gpt_comms(batch: torch.Tensor) -> dict[tuple[str, str], tuple[int, int]]:
     torch.manual_seed(0)
     model = GPT(GPT_CFG)
     sharded_model = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.adamw(1e-3)
+    opt = ff.adamw(1e-3, weight_decay=0.01)
     step = ff.train_step(
         lambda p, b: lm_loss(sharded_model.apply(p, b[:, :-1]), b[:, 1:]),
         opt,

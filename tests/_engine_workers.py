@@ -334,7 +334,7 @@ def offload_matches_on_device(policies: list[dict]) -> list[dict]:
         torch.manual_seed(0)
         model = GPT(cfg)
         sm = ff.fsdp(model, mesh, policy=ff.Policy(**kw))
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         step = ff.train_step(lambda p, b: lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
         losses = []

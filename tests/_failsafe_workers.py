@@ -136,7 +136,9 @@ def skip_nonfinite(kind: str, donate: bool, simulated: bool = False) -> dict:
     with mesh_cm as sim:
         mesh = sim if simulated else ff.make_mesh({"dp": dist.get_world_size()})
         f = ff.fsdp(model, mesh)
-        opt = ff.apply_if_finite(ff.adamw(schedule, eps=1e-6), max_consecutive_errors=3)
+        opt = ff.apply_if_finite(
+            ff.adamw(schedule, eps=1e-6, weight_decay=0.01), max_consecutive_errors=3
+        )
         step = ff.train_step(lambda p, b: loss(f, p, b), opt, model=f, donate=donate)
         state = ff.TrainState.create(f.shard(), opt)
         out: dict[str, Any] = {"metrics": [], "params_kept": [], "inner_kept": [], "types": []}
@@ -147,7 +149,7 @@ def skip_nonfinite(kind: str, donate: bool, simulated: bool = False) -> dict:
             out["types"].append(sorted({type(v).__name__ for v in m.values()}))
             out["params_kept"].append(_same(params, state.params))
             out["inner_kept"].append(_same(inner, state.opt_state.inner_state))
-        ref_opt = ff.adamw(schedule, eps=1e-6)
+        ref_opt = ff.adamw(schedule, eps=1e-6, weight_decay=0.01)
         ref_step = ff.train_step(lambda p, b: loss(f, p, b), ref_opt, model=f)
         ref = ff.TrainState.create(f.shard(), ref_opt)
         ref_lr = []
@@ -203,11 +205,11 @@ def exceptions_keep_state(simulated: bool = False) -> dict:
         def loss_raises(p: Any, b: Any) -> torch.Tensor:
             raise Boom("loss_fn raised")
 
-        adamw = ff.adamw(1e-2)
+        adamw = ff.adamw(1e-2, weight_decay=0.01)
         cases = {
             "loss_fn": (adamw, loss_raises, good[1]),
             "bad_input": (adamw, plain, wrong),
-            "schedule": (ff.adamw(_failing_schedule), plain, good[1]),
+            "schedule": (ff.adamw(_failing_schedule, weight_decay=0.01), plain, good[1]),
             "after_update": (ff.chain(adamw, _raising_transform()), plain, good[1]),
         }
         for name, (opt, failing_loss, failing_batch) in cases.items():
@@ -326,7 +328,7 @@ def fail_inside_step(mode: str, timeout_s: float) -> dict:
     mesh = ff.make_mesh({"dp": 2})
     torch.manual_seed(0)
     f = ff.fsdp(GPT(CFG), mesh)
-    opt = ff.adamw(1e-2)
+    opt = ff.adamw(1e-2, weight_decay=0.01)
     batch = torch.randint(
         0, CFG.vocab_size, (BATCH, 13), generator=torch.Generator().manual_seed(0)
     )
@@ -498,7 +500,7 @@ def _gpt_steps(steps: int, check: bool, cfg: Any = CFG) -> tuple[list[float], An
     data = [torch.randint(0, cfg.vocab_size, (BATCH, 13), generator=g) for _ in range(steps)]
     with ff.check_collectives(check):
         f = ff.fsdp(model, mesh)
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
         state = ff.TrainState.create(f.shard(), opt)
         state, _ = step(state, data[0])  # warm-up

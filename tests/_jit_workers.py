@@ -104,7 +104,7 @@ def setup(name: str, donate: bool) -> tuple[Any, Any, Any, list[Any]]:
         tp = ff.tensor_parallel(model, mesh, gpt_plan(GPT_CFG, loss_parallel=False))
         fsdp_kwargs.update(specs=tp.specs, wrappers=tp.wrappers)
     sm = ff.fsdp(model, mesh, **fsdp_kwargs)
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(LR, weight_decay=0.1))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(LR, weight_decay=0.1))
     if case.get("finite"):
         opt = ff.apply_if_finite(opt, max_consecutive_errors=5)
 

@@ -79,7 +79,7 @@ def _key(t: torch.Tensor) -> int:
 
 def optimizer() -> ff.GradientTransformation:
     """The cases' optimizer: clipped AdamW (its clip reuses the norm the step computes)."""
-    return ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-3))
+    return ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(1e-3, weight_decay=0.01))
 
 
 def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any]:

@@ -351,7 +351,7 @@ def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
 
     mesh = ff.make_mesh({"dp": 2})
     sm = ff.fsdp(qlora(path), mesh)
-    opt = ff.adamw(LR)
+    opt = ff.adamw(LR, weight_decay=0.01)
     step = ff.train_step(lambda p, b: sm.apply(p, input_ids=b, labels=b).loss, opt, model=sm)
     state = ff.TrainState.create(sm.shard(), opt, trainable=sm)
     for b in batches(3):

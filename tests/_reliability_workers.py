@@ -37,7 +37,7 @@ def setup(cfg: GPTConfig = CFG, seed: int = 0):
     torch.manual_seed(seed)
     model = GPT(cfg)
     f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.adamw(1e-2, eps=1e-6)
+    opt = ff.adamw(1e-2, eps=1e-6, weight_decay=0.01)
     step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
     return f, opt, step, ff.TrainState.create(f.shard(), opt)
 
@@ -354,7 +354,7 @@ def hf_resume(directory: str, async_save: bool) -> dict:
         model = LlamaForCausalLM(cfg)
         model.config.use_cache = False
         f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-        opt = ff.adamw(1e-2, eps=1e-6)
+        opt = ff.adamw(1e-2, eps=1e-6, weight_decay=0.01)
         step = ff.train_step(lambda p, b: f.apply(p, input_ids=b, labels=b).loss, opt, model=f)
         return step, ff.TrainState.create(f.shard(), opt, rng=seed)
 

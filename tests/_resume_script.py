@@ -41,7 +41,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(CFG)
     f = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.adamw(ff.warmup_cosine_decay_schedule(0.0, 1e-2, 2, args.steps, 1e-3), eps=1e-6)
+    opt = ff.adamw(
+        ff.warmup_cosine_decay_schedule(0.0, 1e-2, 2, args.steps, 1e-3), eps=1e-6, weight_decay=0.01
+    )
     step = ff.train_step(lambda p, b: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f)
     state = ff.TrainState.create(f.shard(), opt, rng=0)  # dropout's key: saved with the state
     gen = torch.Generator().manual_seed(1)  # the data order: part of the checkpoint

@@ -36,7 +36,7 @@ def step_comms(mesh: Any, kind: str = "gpt", *, shapes_only: bool = False) -> tu
     """One ZeRO-3 AdamW step on ``mesh``: the collectives it issued, and its loss."""
     model, loss = build(kind, meta=shapes_only)
     sm = ff.fsdp(model, mesh)
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(1e-2))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(1e-2, weight_decay=0.01))
     step = ff.train_step(lambda p, b: loss(sm, p, b), opt, model=sm)
     # A meta model: its meta parameters as they are (shard() lays out meta blocks).
     params = sm.shard(dict(model.named_parameters())) if shapes_only else sm.shard()

@@ -181,7 +181,7 @@ def train_ours(model, mesh, data, **options: Any) -> dict[str, Any]:
     """The same steps with FSDP+TP, ``ff.adamw`` and ``ff.clip_by_global_norm``."""
     f, loss_fn = build(model, mesh, **options)
     params = f.shard()
-    opt = ff.chain(ff.clip_by_global_norm(CLIP), ff.adamw(LR, weight_decay=WD, eps=1e-6))
+    opt = ff.chain(ff.clip_by_global_norm(CLIP, eps=1e-6), ff.adamw(LR, weight_decay=WD, eps=1e-6))
     state = opt.init(params)
     losses, norms = [], []
     slices = [

@@ -155,7 +155,7 @@ def clip_norm_once(names: list[str], steps: int = 3) -> dict[str, dict]:
         for variant in ("shared", "own"):
             torch.manual_seed(0)
             f = ff.fsdp(GPT(CFG), ff.make_mesh(axes), **fsdp_kwargs)
-            opt = ff.chain(ff.clip_by_global_norm(0.05), ff.adamw(LR, **OPT))
+            opt = ff.chain(ff.clip_by_global_norm(0.05, eps=1e-6), ff.adamw(LR, **OPT))
             if variant == "own":
                 opt = ff.GradientTransformation(opt.init, opt.update)
             step = ff.train_step(

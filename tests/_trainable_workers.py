@@ -156,7 +156,7 @@ MAX_NORM = 0.05  # small enough that every step clips
 
 def _mlp_opt(variant: str) -> ff.GradientTransformation:
     opt = ff.adamw(LR, weight_decay=0.1)
-    return ff.chain(ff.clip_by_global_norm(MAX_NORM), opt) if variant == "clip" else opt
+    return ff.chain(ff.clip_by_global_norm(MAX_NORM, eps=1e-6), opt) if variant == "clip" else opt
 
 
 def mlp_reference(variant: str, steps: int = STEPS) -> dict:

@@ -188,7 +188,9 @@ def checkpoint_masters(name: str) -> tuple[bool, bool]:
 
 
 def clipped_masters_optimizer() -> ff.GradientTransformation:
-    clipped = ff.chain(ff.clip_by_global_norm(0.5), ff.adamw(LR, weight_decay=0.1, eps=1e-6))
+    clipped = ff.chain(
+        ff.clip_by_global_norm(0.5, eps=1e-6), ff.adamw(LR, weight_decay=0.1, eps=1e-6)
+    )
     return ff.master_weights(clipped, param_dtype=torch.bfloat16)
 
 

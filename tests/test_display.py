@@ -339,7 +339,9 @@ def test_gloo_measured_comms_plot_next_to_the_plan(pools):
     measured = pools.run(2, W.gpt_comms, batch)[0]
     with torch.device("meta"):
         model = GPT(W.GPT_CFG)
-    report = ff.plan(model, {"dp": 2}, batch=(4, 8), optimizer=ff.adamw(1e-3), name="zero3")
+    report = ff.plan(
+        model, {"dp": 2}, batch=(4, 8), optimizer=ff.adamw(1e-3, weight_decay=0.01), name="zero3"
+    )
     ax = ff.plot_comms(report, measured={"zero3": measured})
     planned = {c.get_label(): c for c in ax.containers if not c.get_label().startswith("_")}
     done = {
@@ -418,7 +420,7 @@ def test_plot_comms_bars_are_the_reports_collectives_and_a_simulated_step():
     batch = torch.randint(0, cfg.vocab_size, (4, 9))
     with ff.simulated_mesh({"replicate": 2, "shard": 2}) as mesh:
         sharded_model = ff.fsdp(model, mesh)
-        opt = ff.adamw(1e-3)
+        opt = ff.adamw(1e-3, weight_decay=0.01)
         step = ff.train_step(
             lambda p, b: lm_loss(sharded_model.apply(p, b[:, :-1]), b[:, 1:]),
             opt,

@@ -155,7 +155,7 @@ def test_autograd_engine_is_pure_and_keeps_other_grads():
     results = {}
     with ff.simulated_mesh({"replicate": 2, "shard": 2}) as mesh:
         f = ff.fsdp(model, mesh)
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         state = ff.TrainState.create(f.shard(), opt)
         for engine in ("func", "autograd"):
             step = ff.train_step(

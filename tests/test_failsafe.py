@@ -76,7 +76,7 @@ def test_counts_and_schedules_as_tensors_match_python_ints_bitwise():
             assert value.item() == s(count), (s, count)
     torch.manual_seed(0)
     params = {"w": torch.randn(4, 3)}
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(schedules[0], weight_decay=0.1))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(schedules[0], weight_decay=0.1))
     ints, tensors = opt.init(params), _tensor_counts(opt.init(params), torch.device("cpu"))
     p_int = p_tensor = params
     for _ in range(8):
@@ -91,7 +91,7 @@ def test_counts_and_schedules_as_tensors_match_python_ints_bitwise():
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_apply_if_finite_state_round_trips_through_a_checkpoint(tmp_path):
-    opt = ff.apply_if_finite(ff.adamw(ff.linear_schedule(1e-2, 0.0, 5)), 2)
+    opt = ff.apply_if_finite(ff.adamw(ff.linear_schedule(1e-2, 0.0, 5), weight_decay=0.01), 2)
     step = ff.train_step(lambda p, b: (p["w"] * b).sum(), opt, batch="local")
     state, _ = step(ff.TrainState.create({"w": torch.randn(3, 2)}, opt), torch.randn(3, 2))
     state, m = step(state, torch.full((3, 2), float("nan")))

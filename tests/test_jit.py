@@ -108,7 +108,7 @@ def _local_step(loss_fn, opt=None, **kwargs):
 
 def test_python_ints_are_traced_as_tensors_so_steps_do_not_recompile():
     sched = ff.linear_schedule(0.1, 0.0, 10)
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(sched))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(sched, weight_decay=0.01))
     step, _ = _local_step(lambda p, b: (p["w"] * b).pow(2).mean(), opt)
     fast = ff.jit(step, backend="eager")
     eager_state = state = ff.TrainState.create({"w": torch.ones(3)}, opt)

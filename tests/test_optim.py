@@ -225,7 +225,7 @@ def test_scheduled_lr_through_chain_matches_lambda_lr(kind: str) -> None:
     if kind == "adamw_warmup_cosine":
         peak = 3e-2
         sched = fs.warmup_cosine_decay_schedule(0.0, peak, warmup_steps=5, decay_steps=15)
-        ours = fo.chain(clip_by_global_norm(1e9), fo.adamw(sched, weight_decay=0.5))
+        ours = fo.chain(clip_by_global_norm(1e9, eps=1e-6), fo.adamw(sched, weight_decay=0.5))
         make = lambda g: torch.optim.AdamW(g, lr=peak, weight_decay=0.5)  # noqa: E731
     else:
         peak = 0.1
@@ -252,7 +252,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     "make",
     [
         lambda: fo.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-        lambda: fo.chain(clip_by_global_norm(0.5), fo.adamw(1e-2, mask=no_decay)),
+        lambda: fo.chain(
+            clip_by_global_norm(0.5, eps=1e-6), fo.adamw(1e-2, mask=no_decay, weight_decay=0.01)
+        ),
         lambda: fo.adam(1e-2, weight_decay=0.1),
     ],
     ids=["sgd", "clip_adamw_masked", "adam"],
@@ -280,7 +282,7 @@ def test_update_is_pure(make: Callable[[], fo.GradientTransformation]) -> None:
     "make",
     [
         lambda: fo.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-        lambda: fo.chain(clip_by_global_norm(0.5), fo.adamw(1e-2, weight_decay=0.5)),
+        lambda: fo.chain(clip_by_global_norm(0.5, eps=1e-6), fo.adamw(1e-2, weight_decay=0.5)),
     ],
     ids=["sgd", "clip_adamw"],
 )
@@ -311,13 +313,13 @@ def test_grad_norm_goes_to_the_first_member_of_a_chain_only() -> None:
     later ones (which see transformed updates) and a mask's inner one compute their own."""
     g = {"w": torch.tensor([3.0, 4.0])}
     told = torch.tensor(50.0)  # not the norm (5.0): shows who used it
-    first = fo.chain(clip_by_global_norm(1.0), fo.identity())
+    first = fo.chain(clip_by_global_norm(1.0, eps=1e-6), fo.identity())
     u, _ = first.update(g, first.init(g), grad_norm=told)
     assert torch.allclose(u["w"], g["w"] / 50.0)
-    later = fo.chain(fo.scale(2.0), clip_by_global_norm(1.0))
+    later = fo.chain(fo.scale(2.0), clip_by_global_norm(1.0, eps=1e-6))
     u, _ = later.update(g, later.init(g), grad_norm=told)
     assert torch.allclose(u["w"], torch.tensor([0.6, 0.8]), atol=1e-6)
-    inside = fo.masked(clip_by_global_norm(1.0), {"w": True})
+    inside = fo.masked(clip_by_global_norm(1.0, eps=1e-6), {"w": True})
     u, _ = inside.update(g, inside.init(g), grad_norm=told)
     assert torch.allclose(u["w"], torch.tensor([0.6, 0.8]), atol=1e-6)
 
@@ -397,10 +399,10 @@ def test_clip_by_global_norm_matches_clip_grad_norm() -> None:
     for t, g in zip(tensors, optree.tree_leaves(grads)):
         t.grad = g.clone()
     torch.nn.utils.clip_grad_norm_(tensors, max_norm=1.5)
-    clipped, _ = clip_by_global_norm(1.5).update(grads, fo.EmptyState())
+    clipped, _ = clip_by_global_norm(1.5, eps=1e-6).update(grads, fo.EmptyState())
     for ours, t in zip(optree.tree_leaves(clipped), tensors):
         torch.testing.assert_close(ours, t.grad, rtol=1e-6, atol=0)
-    same, _ = clip_by_global_norm(1e3).update(grads, fo.EmptyState())
+    same, _ = clip_by_global_norm(1e3, eps=1e-6).update(grads, fo.EmptyState())
     assert all(
         torch.equal(a, b) for a, b in zip(optree.tree_leaves(same), optree.tree_leaves(grads))
     )
@@ -415,7 +417,7 @@ def test_global_norm_and_clip_on_simulated_2d_mesh() -> None:
         with ff.count_comms() as comms:
             norm = global_norm(grads)
         norms = [n.item() for n in ff.rank_values(norm)]
-        clipped, _ = clip_by_global_norm(ref / 2).update(grads, fo.EmptyState())
+        clipped, _ = clip_by_global_norm(ref / 2, eps=1e-6).update(grads, fo.EmptyState())
         gathered = {k: ff.rank_values(v) for k, v in ff.gather(clipped).items()}
     assert norm.dtype == torch.float64
     assert norms == pytest.approx([ref] * 4, rel=1e-12)
@@ -449,7 +451,9 @@ def _reference(steps: int) -> dict[str, Any]:
 def _sharded_opt() -> fo.GradientTransformation:
     # A mask on the path alone: a Sharded leaf's path is "bias", not "bias.local".
     no_bias = lambda path, p: not path.endswith("bias")  # noqa: E731
-    return fo.chain(clip_by_global_norm(2.0), fo.adamw(3e-2, weight_decay=0.5, mask=no_bias))
+    return fo.chain(
+        clip_by_global_norm(2.0, eps=1e-6), fo.adamw(3e-2, weight_decay=0.5, mask=no_bias)
+    )
 
 
 def _sharded_errors(mesh: Any, specs: dict[str, ff.P], data: dict[str, Any]) -> list[float]:
@@ -486,7 +490,7 @@ def _mp_norm_and_sharded_adamw(axes: dict[str, int], specs: dict[str, ff.P]) -> 
     full = _mixed_full()
     grads = ff.shard(full, mesh, specs)
     norm = global_norm(grads).item()
-    clipped, _ = clip_by_global_norm(1.0).update(grads, fo.EmptyState())
+    clipped, _ = clip_by_global_norm(1.0, eps=1e-6).update(grads, fo.EmptyState())
     clip_norm = global_norm(clipped).item()
     return {
         "norm": norm,
@@ -517,7 +521,7 @@ def test_global_norm_and_sharded_adamw_on_real_processes(
 
 def test_state_from_another_tree_names_the_mismatch() -> None:
     params = _model_params()
-    opt = fo.adamw(1e-2)
+    opt = fo.adamw(1e-2, weight_decay=0.01)
     state = opt.init(params)
     other = {**params, "extra": torch.zeros(2)}
     with pytest.raises(
@@ -552,7 +556,9 @@ def test_bad_arguments_say_how_to_fix() -> None:
         ValueError,
         match=r"add_decayed_weights needs the params: call opt.update\(grads, state, params\)",
     ):
-        fo.adamw(1e-2).update({"w": torch.ones(1)}, fo.adamw(1e-2).init({"w": torch.ones(1)}))
+        fo.adamw(1e-2, weight_decay=0.01).update(
+            {"w": torch.ones(1)}, fo.adamw(1e-2, weight_decay=0.01).init({"w": torch.ones(1)})
+        )
     with pytest.raises(TypeError, match=r"call factory functions \(adam\(1e-3\), not adam\)"):
         fo.chain(fo.adam)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"scale_by_adam: b1 must be in \[0, 1\), got 1.0"):
@@ -560,7 +566,7 @@ def test_bad_arguments_say_how_to_fix() -> None:
     with pytest.raises(ValueError, match=r"nesterov=True needs a momentum > 0"):
         fo.sgd(0.1, nesterov=True)
     with pytest.raises(ValueError, match=r"max_norm must be positive"):
-        clip_by_global_norm(0.0)
+        clip_by_global_norm(0.0, eps=1e-6)
     with pytest.raises(ValueError, match=r"weight_decay must be finite and >= 0.0, got -0.1"):
         fo.adamw(1e-3, weight_decay=-0.1)
     with pytest.raises(
@@ -630,7 +636,7 @@ def test_bad_arguments_say_how_to_fix() -> None:
             r"step_size_fn must be a schedule, a function fn\(step: int\) -> float",
         ),
         (
-            lambda: fo.adamw("fast"),
+            lambda: fo.adamw("fast", weight_decay=0.01),
             TypeError,
             r"learning_rate must be a float or a schedule fn\(step\) -> float, got 'fast' \(str\)",
         ),

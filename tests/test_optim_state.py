@@ -32,11 +32,13 @@ def _wrapped(opt: ff.GradientTransformation) -> ff.GradientTransformation:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: ff.adamw(SCHEDULE),
-        lambda: ff.chain(ff.clip_by_global_norm(1.0), ff.sgd(SCHEDULE, momentum=0.9)),
-        lambda: ff.masked(ff.adamw(SCHEDULE), {"w": True}),
-        lambda: ff.apply_if_finite(ff.adamw(SCHEDULE), 2),
-        lambda: ff.master_weights(ff.adamw(SCHEDULE), param_dtype=torch.bfloat16),
+        lambda: ff.adamw(SCHEDULE, weight_decay=0.01),
+        lambda: ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.sgd(SCHEDULE, momentum=0.9)),
+        lambda: ff.masked(ff.adamw(SCHEDULE, weight_decay=0.01), {"w": True}),
+        lambda: ff.apply_if_finite(ff.adamw(SCHEDULE, weight_decay=0.01), 2),
+        lambda: ff.master_weights(
+            ff.adamw(SCHEDULE, weight_decay=0.01), param_dtype=torch.bfloat16
+        ),
     ],
     ids=["adamw", "chain", "masked", "apply_if_finite", "master_weights"],
 )
@@ -89,7 +91,7 @@ def test_apply_if_finite_reports_from_its_state():
 
 
 def test_donated_metrics_are_not_overwritten_by_the_next_step():
-    opt = ff.apply_if_finite(ff.adamw(SCHEDULE), 3)
+    opt = ff.apply_if_finite(ff.adamw(SCHEDULE, weight_decay=0.01), 3)
     step = ff.train_step(lambda p, b: (p["w"] * b).sum(), opt, batch="local", donate=True)
     state = ff.TrainState.create({"w": torch.ones(2)}, opt)
     state, first = step(state, torch.ones(2))
@@ -99,7 +101,7 @@ def test_donated_metrics_are_not_overwritten_by_the_next_step():
 
 
 def test_master_weights_keeps_its_param_dtype_in_the_state_not_in_checkpoints(tmp_path):
-    opt = ff.master_weights(ff.adamw(1e-2), param_dtype=torch.float16)
+    opt = ff.master_weights(ff.adamw(1e-2, weight_decay=0.01), param_dtype=torch.float16)
     state = ff.TrainState.create({"w": torch.ones(2)}, opt)
     assert state.opt_state.param_dtype == torch.float16
     assert state.params["w"].dtype == torch.float16
@@ -108,7 +110,7 @@ def test_master_weights_keeps_its_param_dtype_in_the_state_not_in_checkpoints(tm
 
 
 def _old_adamw_state(params: dict[str, torch.Tensor], count: int) -> Any:
-    """``adamw(schedule)``'s state as versions before the recorded rate built it."""
+    """``adamw(schedule, weight_decay=0.01)``'s state as versions before the recorded rate built it."""
     adam = ff.scale_by_adam().init(params)._replace(count=count)
     return (adam, ff.EmptyState(), ff.ScaleByScheduleState(count))
 
@@ -118,7 +120,7 @@ def test_a_checkpoint_without_the_recorded_rate_loads(tmp_path):
     params = {"w": torch.ones(2)}
     old = ff.TrainState(params, _old_adamw_state(params, 3), 3)
     ff.checkpoint.save(tmp_path / "old", old)
-    opt = ff.adamw(SCHEDULE)
+    opt = ff.adamw(SCHEDULE, weight_decay=0.01)
     template = ff.TrainState.create({"w": torch.zeros(2)}, opt)
     loaded = ff.checkpoint.load(tmp_path / "old", template)
     assert loaded.opt_state[2] == ScaleByLearningRateState(3, template.opt_state[2].learning_rate)

@@ -440,7 +440,7 @@ def agreement_exchanges(axes: dict[str, int], odd_rank: int) -> dict[str, object
         data = tuple(a for a in axes if a != "tp")
         for name, specs, opt_specs in (("fsdp", None, None), ("zero1", P(), P(data))):
             f = ff.fsdp(model, mesh, specs=specs)
-            opt = ff.adamw(1e-2)
+            opt = ff.adamw(1e-2, weight_decay=0.01)
             step = ff.train_step(
                 lambda p, b, f=f: f.apply(p, b[:, :-1]).float().mean(), opt, model=f
             )

@@ -217,7 +217,7 @@ def test_values_that_outlive_their_mesh_say_how_to_fix_it():
     model = GPT(CFG)
     with ff.simulated_mesh({"dp": 2}) as mesh:
         sm = ff.fsdp(model, mesh)
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         step = ff.train_step(lambda p, b: sm.apply(p, b).sum(), opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
         x = ff.shard(torch.arange(4.0), mesh, ff.P("dp"))
@@ -269,7 +269,7 @@ def _trajectories(axes: dict[str, int], tp: bool) -> dict:
 
                 return lm_loss(sm.apply(p, b[:, :-1]), b[:, 1:])
 
-        opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(T.LR, **T.OPT))
+        opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(T.LR, **T.OPT))
         step = ff.train_step(loss, opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
         for b in T.batches(1):
@@ -353,7 +353,7 @@ def _ops_per_step(monkeypatch, n: int) -> int:
     model = GPT(GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16))
     with ff.simulated_mesh({"dp": n}) as mesh:
         sm = ff.fsdp(model, mesh)
-        opt = ff.adamw(1e-2)
+        opt = ff.adamw(1e-2, weight_decay=0.01)
         step = ff.train_step(lambda p, b: sm.apply(p, b).float().mean(), opt, model=sm)
         state = ff.TrainState.create(sm.shard(), opt)
         batch = torch.zeros(8, 13, dtype=torch.long)

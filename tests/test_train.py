@@ -48,7 +48,7 @@ def test_metrics_loss_grad_norm_and_lr():
     model = GPT(CFG)
     b = T.batches(1)[0]
     schedule = ff.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
-    opt = ff.adamw(schedule)
+    opt = ff.adamw(schedule, weight_decay=0.01)
     params = {n: p.detach() for n, p in model.named_parameters()}
     grads = torch.func.grad(
         lambda p: lm_loss(torch.func.functional_call(model, p, (b[:, :-1],)), b[:, 1:])

@@ -99,7 +99,7 @@ def test_masks_written_for_all_params_apply_to_the_trainable_part():
 def test_single_process_step_matches_torch_adamw_on_trainable_only():
     model = W.frozen_mlp()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = ff.chain(ff.clip_by_global_norm(W.MAX_NORM), ff.adamw(W.LR, weight_decay=0.1))
+    opt = ff.chain(ff.clip_by_global_norm(W.MAX_NORM, eps=1e-6), ff.adamw(W.LR, weight_decay=0.1))
     state = ff.TrainState.create(params, opt, trainable=model)
     assert state.trainable == {"0.weight", "0.bias", "4.weight", "4.bias"}
 
@@ -125,7 +125,7 @@ def test_default_path_refuses_a_module_with_frozen_parameters_simulated():
     model = W.frozen_mlp()
     with ff.simulated_mesh({"dp": 2}) as mesh:
         sm = ff.fsdp(model, mesh)
-        opt = ff.adamw(W.LR)
+        opt = ff.adamw(W.LR, weight_decay=0.01)
         step = ff.train_step(lambda p, b: (sm.apply(p, b[0]) - b[1]).pow(2).mean(), opt, model=sm)
         # At the point of the mistake: the state's creation, from the shards sm.shard() made.
         with pytest.raises(
@@ -164,7 +164,7 @@ def test_checkpoint_keys_carry_parameter_and_field_names(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     params = {"layers.0.q.lora_A": torch.ones(2), "layers.0.q.base": torch.ones(2)}
-    opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(0.1))
+    opt = ff.chain(ff.clip_by_global_norm(1.0, eps=1e-6), ff.adamw(0.1, weight_decay=0.01))
     state = ff.TrainState.create(params, opt, trainable={"layers.0.q.lora_A"})
     ff.checkpoint.save(tmp_path / "ckpt", state)
     keys = sorted(dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata)

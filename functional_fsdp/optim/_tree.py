@@ -107,9 +107,19 @@ def leaves_like(
     return leaves
 
 
-def zeros_like_tree(tree: Any) -> Any:
-    """Zeros with the shapes, dtypes and layouts of ``tree``."""
-    return tree_map(torch.zeros_like, tree)
+def zeros_like_tree(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    """Zeros with the shapes, dtypes (or ``dtype``) and layouts of ``tree``."""
+    return tree_map(lambda t: torch.zeros_like(t, dtype=dtype), tree)
+
+
+def check_dtype(where: str, name: str, value: object) -> torch.dtype | None:
+    """``value`` if it is ``None`` or a floating ``torch.dtype``, else a ``TypeError``."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    raise TypeError(
+        f"{where}: {name} must be a floating torch.dtype such as torch.bfloat16 (or None for "
+        f"the params' dtype), got {value!r} ({type(value).__name__})."
+    )
 
 
 def map_foreach(

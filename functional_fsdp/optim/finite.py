@@ -18,7 +18,7 @@ import torch
 
 from .._tree import NAMESPACE
 from ._tree import local_leaves
-from .clipping import global_norm
+from .clipping import global_norm_and_finite
 from .records import is_record
 from .transforms import (
     GradientTransformation,
@@ -124,10 +124,12 @@ def apply_if_finite(
     the update is applied anyway, so that a run that only produces NaNs shows them instead
     of silently standing still.
 
-    The decision is the same on every rank: it comes from the mesh-aware
-    :func:`~functional_fsdp.global_norm` of the updates, or from the ``finite=`` that
-    ``train_step`` passes (the global loss and gradient norm it computes anyway, so no extra
-    collective). It is a tensor, never read on the host: no sync, and traceable. The inner
+    Finiteness is decided element by element, as optax does: a finite gradient of ``1e20``,
+    whose float32 norm overflows to ``inf``, is applied. The decision is the same on every
+    rank: it comes from :func:`~functional_fsdp.optim.clipping.global_norm_and_finite` of the
+    updates (whose counts ride on the norm's all-reduces), or from the ``finite=`` that
+    ``train_step`` passes (the global loss's finiteness and the same per-element count, taken
+    with the gradient norm it computes anyway, so no extra collective). It is a tensor, never read on the host: no sync, and traceable. The inner
     optimizer runs every step; its step counts are kept as 0-dim tensors, so a skipped step
     does not advance them. Under ``train_step(donate=True)`` the inner optimizer runs out of
     place (the size of its state in temporary memory) and the results are selected into the
@@ -189,8 +191,8 @@ def apply_if_finite(
                 f"apply_if_finite: got a state of type {type(state).__name__}; pass the "
                 f"state that this transformation's init() returned."
             )
-        if finite is None:
-            finite = torch.isfinite(global_norm(updates) if grad_norm is None else grad_norm)
+        if finite is None:  # element by element (a norm can overflow where no element is)
+            finite = global_norm_and_finite(updates)[1]
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         apply = finite | (notfinite_count > limit)
         # The inner optimizer runs out of place (donate=False): the old state must survive a

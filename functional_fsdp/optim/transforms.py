@@ -46,6 +46,7 @@ from .._partition import prefix_mask_flags
 from .._tree import dotted
 from ._tree import (
     SAME_PARAMS_HINT,
+    check_dtype,
     check_real,
     check_tensor_tree,
     check_unit_interval,
@@ -60,7 +61,8 @@ from .schedules import Schedule
 Params = Any  # a pytree of tensors and Sharded values
 Updates = Any  # a pytree like Params: gradients, or updates to add to Params
 OptState = Any  # a pytree of NamedTuple states
-Mask = Any  # a pytree of bools matching Params (or a prefix), or a predicate fn(path, leaf)
+Mask = Any  # a pytree of bools matching Params (or a prefix), fn(params) returning one, or a
+# predicate fn(path, leaf)
 
 
 class TransformInitFn(Protocol):
@@ -127,8 +129,8 @@ class GradientTransformationExtraArgs(GradientTransformation):
       the step computes for its metrics anyway: :func:`~functional_fsdp.clip_by_global_norm`
       uses it instead of another all-reduce. It describes the updates a transformation
       receives, so :func:`chain` gives it to its first member only.
-    * ``finite``: whether this step's loss and gradient norm are finite, the same on every
-      rank (read by :func:`~functional_fsdp.apply_if_finite`).
+    * ``finite``: whether this step's loss and every gradient element are finite, the same
+      on every rank (read by :func:`~functional_fsdp.apply_if_finite`).
 
     Example:
         >>> import torch
@@ -516,10 +518,14 @@ def _record(rate: float | torch.Tensor, count: int | torch.Tensor) -> float | to
 # --------------------------------------------------------------------------- transformations
 
 
-def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+def trace(
+    decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype | None = None
+) -> GradientTransformation:
     """Momentum: ``buf = decay * buf + g``; emits ``buf`` (or ``g + decay * buf`` if nesterov).
 
-    ``torch.optim.SGD`` momentum with dampening 0: the first buffer is the gradient itself.
+    optax's ``trace``, and ``torch.optim.SGD`` momentum with dampening 0: the first buffer is
+    the gradient itself. ``accumulator_dtype`` stores the buffer in another dtype (the
+    arithmetic runs in the wider of it and the update's, as optax's does).
 
     Example:
         >>> import torch
@@ -530,10 +536,11 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         {'w': tensor([1.9000])}
     """
     decay = check_real("trace", "decay", decay, low=0.0)
+    acc = check_dtype("trace", "accumulator_dtype", accumulator_dtype)
 
     def init(params: Params) -> TraceState:
         check_tensor_tree(params, "trace.init")
-        return TraceState(trace=zeros_like_tree(params))
+        return TraceState(trace=zeros_like_tree(params, acc))
 
     def update(
         updates: Updates,
@@ -547,6 +554,12 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         g, treedef = local_leaves(updates)
         if not g:
             return updates, state
+        if any(b.dtype != x.dtype for b, x in zip(buf, g)):  # a buffer in another dtype
+            new_buf = [x + _rounded(decay, b.dtype) * b for x, b in zip(g, buf)]
+            out = [x + decay * b for x, b in zip(g, new_buf)] if nesterov else new_buf
+            stored = [n.to(b.dtype) for n, b in zip(new_buf, buf)]
+            new_trace = optree.tree_unflatten(treedef, stored)
+            return optree.tree_unflatten(treedef, out), TraceState(trace=new_trace)
         new_buf = torch._foreach_add(g, buf, alpha=decay)
         if donate:  # write the buffer and the updates in place (same arithmetic)
             torch._foreach_copy_(buf, new_buf)
@@ -562,8 +575,23 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     return GradientTransformationExtraArgs(init, update)
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
-    """Adam's rescaling: ``m_hat / (sqrt(v_hat) + eps)``, with bias-corrected moments.
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """Adam's rescaling: ``m_hat / (sqrt(v_hat + eps_root) + eps)``, with bias-corrected moments.
+
+    optax's ``scale_by_adam``: the same arguments in the same order. ``eps_root`` is added
+    inside the square root (for differentiating through the update), ``mu_dtype`` stores the
+    first moment in another dtype (e.g. ``torch.bfloat16``), and ``nesterov=True`` is NAdam
+    (Dozat 2016) as optax computes it. With the defaults the arithmetic is
+    ``torch.optim.Adam``'s (``m / (sqrt(v) / sqrt(1 - b2**t) + eps) / (1 - b1**t)``), which
+    equals optax's to rounding.
 
     Example:
         >>> import torch
@@ -577,10 +605,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         check_unit_interval("scale_by_adam", "b2", b2),
     )
     eps = check_real("scale_by_adam", "eps", eps, low=0.0)
+    eps_root = check_real("scale_by_adam", "eps_root", eps_root, low=0.0)
+    mu_dtype = check_dtype("scale_by_adam", "mu_dtype", mu_dtype)
+    plain = eps_root == 0.0 and not nesterov  # torch.optim.Adam's arithmetic, fused
 
     def init(params: Params) -> ScaleByAdamState:
         check_tensor_tree(params, "scale_by_adam.init")
-        return ScaleByAdamState(count=0, mu=zeros_like_tree(params), nu=zeros_like_tree(params))
+        return ScaleByAdamState(
+            count=0, mu=zeros_like_tree(params, mu_dtype), nu=zeros_like_tree(params)
+        )
 
     def update(
         updates: Updates,
@@ -597,7 +630,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if not g:
             return updates, state._replace(count=count)
         bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
-        if donate:  # moments in place, the step's grads reused as scratch
+        same = all(m.dtype == x.dtype for m, x in zip(mu, g))
+        if donate and plain and same:  # moments in place, the step's grads reused as scratch
             torch._foreach_lerp_(mu, g, 1.0 - b1)
             torch._foreach_mul_(nu, b2)
             torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
@@ -613,16 +647,44 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
                     torch.div(m, d, out=d)
             torch._foreach_div_(out, bc1)
             return optree.tree_unflatten(treedef, out), state._replace(count=count)
-        new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+        if same:
+            new_mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+        else:  # mu_dtype: optax's arithmetic, in the wider dtype, stored in mu's
+            # (JAX rounds b1 to mu's dtype first: a Python scalar takes the array's dtype.)
+            new_mu = [(1.0 - b1) * x + _rounded(b1, m.dtype) * m for m, x in zip(mu, g)]
         new_nu = torch._foreach_addcmul(torch._foreach_mul(nu, b2), g, g, value=1.0 - b2)
-        denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(new_nu), bc2**0.5), eps)
-        out = torch._foreach_div(torch._foreach_div(new_mu, denom), bc1)
+        if plain:
+            denom = torch._foreach_add(
+                torch._foreach_div(torch._foreach_sqrt(new_nu), bc2**0.5), eps
+            )
+            out = torch._foreach_div(torch._foreach_div(new_mu, denom), bc1)
+        else:  # optax's arithmetic: sqrt(v_hat + eps_root) + eps
+            nu_hat = torch._foreach_div(new_nu, bc2)
+            if eps_root:
+                torch._foreach_add_(nu_hat, eps_root)
+            denom = torch._foreach_add(torch._foreach_sqrt(nu_hat), eps)
+            if nesterov:  # b1 * m / (1 - b1**(t+1)) + (1 - b1) * g / (1 - b1**t)
+                mu_hat = torch._foreach_add(
+                    torch._foreach_mul(new_mu, b1 / _bias_correction(b1, count + 1)),
+                    torch._foreach_mul(g, (1.0 - b1) / bc1),
+                )
+            else:
+                mu_hat = torch._foreach_div(new_mu, bc1)
+            out = torch._foreach_div(mu_hat, denom)
+        stored_mu = new_mu if same else [n.to(m.dtype) for n, m in zip(new_mu, mu)]
         new_state = ScaleByAdamState(
-            count, optree.tree_unflatten(treedef, new_mu), optree.tree_unflatten(treedef, new_nu)
+            count,
+            optree.tree_unflatten(treedef, stored_mu),
+            optree.tree_unflatten(treedef, new_nu),
         )
         return optree.tree_unflatten(treedef, out), new_state
 
     return GradientTransformationExtraArgs(init, update)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (as JAX converts a Python scalar to an array's dtype)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def _bias_correction(beta: float, count: int | torch.Tensor) -> float | torch.Tensor:
@@ -677,6 +739,8 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
 def _mask_flags(where: str, mask: Mask, tree: Any) -> tuple[list[bool], list[Any], Any]:
     """One bool per leaf of ``tree`` (``Sharded`` values are leaves), its leaves and treedef."""
     paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    if callable(mask) and not isinstance(mask, (dict, list, tuple)) and _takes_one(mask):
+        mask = mask(tree)  # optax's form: fn(params) -> a tree of bools
     if callable(mask) and not isinstance(mask, (dict, list, tuple)):
         flags = [mask(dotted(p), x) for p, x in zip(paths, leaves)]
     else:
@@ -693,14 +757,33 @@ def _mask_flags(where: str, mask: Mask, tree: Any) -> tuple[list[bool], list[Any
     return flags, leaves, treedef
 
 
+def _takes_one(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes one positional argument (optax's ``fn(params)``), not two."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    return len(required) == 1 and not any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters
+    )
+
+
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     """Apply ``inner`` only where ``mask`` is true; other updates pass through unchanged.
 
     Args:
         inner: the transformation to apply to the masked leaves. Its state covers only them.
-        mask: a tree of bools matching the params (or a prefix of it), or a predicate
-            ``fn(dotted_path, leaf) -> bool`` called with paths like ``blocks.0.attn.weight``
-            and the leaf (a tensor or ``Sharded``, whose ``ndim`` is the global one).
+        mask: a tree of bools matching the params (or a prefix of it); optax's
+            ``fn(params)`` returning one (``Sharded`` values are leaves of ``params``); or a
+            predicate ``fn(dotted_path, leaf) -> bool`` called with paths like
+            ``blocks.0.attn.weight`` and the leaf (a tensor or ``Sharded``, whose ``ndim`` is
+            the global one).
 
     Example:
         >>> import torch
@@ -749,19 +832,29 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``params + updates``, leaf by leaf, keeping each param's dtype. Out of place.
 
+    optax's rounding: the sum is taken in the wider of the two dtypes and rounded to the
+    param's once (bfloat16 ``256`` plus a float32 ``1.0039`` is ``258``, not ``256`` as
+    rounding the update first would give).
+
     Example:
         >>> import torch
         >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
         {'w': tensor([0.5000, 0.5000])}
+        >>> w = torch.tensor([256.0], dtype=torch.bfloat16)
+        >>> apply_updates({"w": w}, {"w": torch.tensor([1.0039])})["w"]
+        tensor([258.], dtype=torch.bfloat16)
     """
     check_tensor_tree(params, "apply_updates")
     p = leaves_like("apply_updates", "params", params, updates, SAME_PARAMS_HINT)
     u = local_leaves(updates)[0]
     if not p:
         return params
-    u = [x if x.dtype == y.dtype else x.to(y.dtype) for x, y in zip(u, p)]
+    if all(x.dtype == y.dtype for x, y in zip(u, p)):
+        new = torch._foreach_add(p, u)
+    else:  # added in the promoted dtype, rounded to the param's once
+        new = [torch.add(y, x).to(y.dtype) for x, y in zip(u, p)]
     # Rebuild with the params' structure, so Sharded values keep their layout.
-    return optree.tree_unflatten(local_leaves(params)[1], torch._foreach_add(p, u))
+    return optree.tree_unflatten(local_leaves(params)[1], new)
 
 
 # --------------------------------------------------------------------------- optimizers
@@ -769,12 +862,22 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 
 def sgd(
     learning_rate: float | Schedule,
-    momentum: float = 0.0,
+    momentum: float | None = None,
     nesterov: bool = False,
+    accumulator_dtype: torch.dtype | None = None,
+    *,
     weight_decay: float = 0.0,
 ) -> GradientTransformation:
-    """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient,
-    momentum with dampening 0, optional Nesterov).
+    """SGD, optax's: the same arguments in the same order, momentum with dampening 0 (as
+    ``torch.optim.SGD``), optional Nesterov.
+
+    Args:
+        learning_rate: a float or a schedule.
+        momentum: the momentum decay (``None`` or ``0`` for none).
+        nesterov: Nesterov momentum.
+        accumulator_dtype: the momentum buffer's dtype (the params' by default).
+        weight_decay: keyword-only, not in optax: ``torch.optim.SGD``'s L2 penalty, added
+            to the gradient before the momentum.
 
     Example:
         >>> import torch
@@ -784,14 +887,14 @@ def sgd(
         >>> apply_updates(params, updates)
         {'w': tensor([0.9000, 0.9000])}
     """
-    momentum = check_real("sgd", "momentum", momentum, low=0.0)
+    momentum = 0.0 if momentum is None else check_real("sgd", "momentum", momentum, low=0.0)
     if nesterov and momentum == 0.0:
         raise ValueError("sgd: nesterov=True needs a momentum > 0, e.g. sgd(lr, momentum=0.9).")
     parts = []
     if weight_decay:
         parts.append(add_decayed_weights(weight_decay))
     if momentum:
-        parts.append(trace(momentum, nesterov))
+        parts.append(trace(momentum, nesterov, accumulator_dtype))
     parts.append(scale_by_learning_rate(learning_rate))
     return chain(*parts)
 
@@ -801,10 +904,16 @@ def adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = False,
     weight_decay: float = 0.0,
 ) -> GradientTransformation:
-    """Adam with ``torch.optim.Adam`` semantics: ``weight_decay`` is an L2 penalty added to
-    the gradient before the moments (use :func:`adamw` for decoupled decay).
+    """Adam, optax's: the same arguments in the same order (see :func:`scale_by_adam`).
+
+    ``weight_decay`` (keyword-only, not in optax) is ``torch.optim.Adam``'s L2 penalty,
+    added to the gradient before the moments; use :func:`adamw` for decoupled decay.
 
     Example:
         >>> import torch
@@ -815,7 +924,10 @@ def adam(
         {'w': tensor([0.9000, 0.9000])}
     """
     parts = [add_decayed_weights(weight_decay)] if weight_decay else []
-    parts += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    parts += [
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_learning_rate(learning_rate),
+    ]
     return chain(*parts)
 
 
@@ -824,11 +936,19 @@ def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.01,
+    eps_root: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+    weight_decay: float = 1e-4,
     mask: Mask | None = None,
+    *,
+    nesterov: bool = False,
 ) -> GradientTransformation:
-    """AdamW with ``torch.optim.AdamW`` semantics: ``params *= 1 - lr * weight_decay``, then
-    the Adam step. ``mask`` selects the params that decay (see :func:`masked`).
+    """AdamW, optax's: the same arguments, order and defaults (``weight_decay=1e-4``).
+
+    The Adam step, plus ``weight_decay * params`` decoupled from it, both scaled by the
+    learning rate: ``torch.optim.AdamW``'s numbers for the same ``weight_decay``, whose
+    default there is ``0.01`` (pass it to port torch code). ``mask`` selects the params that
+    decay (see :func:`masked`).
 
     Example:
         >>> import torch
@@ -841,7 +961,7 @@ def adamw(
         {'w': tensor([0.8500]), 'bias': tensor([0.9000])}
     """
     return chain(
-        scale_by_adam(b1, b2, eps),
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
