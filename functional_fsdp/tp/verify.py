@@ -68,6 +68,7 @@ from .styles import (
     _input,
     _map_input,
 )
+from .torch_styles import Composed, GatherInput, PrepareInputThen, RedistributeOutput
 
 # (relative path, style, mesh, axis, tp) -> (module, forward) -> forward: plan.StyleWrapper
 MakeWrapper = Callable[[str, Style, DeviceMesh, str, int], Callable[[nn.Module, Forward], Forward]]
@@ -657,13 +658,28 @@ def block_checks(
     return out
 
 
+def _own_styles(style: Style | None) -> list[Style]:
+    """The parts of a block's own style, input side first: a :class:`Composed` style's
+    styles, and a :class:`PrepareInputThen`'s output style after its input part (torch's
+    ``PrepareModuleInputOutput``)."""
+    if style is None:
+        return []
+    if isinstance(style, Composed):
+        return [part for s in style.styles for part in _own_styles(s)]
+    then = style.output if isinstance(style, PrepareInputThen) else None
+    return [style, *_own_styles(then)]
+
+
 def _layouts(plan: Mapping[str, Style]) -> tuple[int | None, int | None, str | None]:
     """(input sequence dim, output sequence dim, input keyword) of a block under ``plan``."""
-    own = plan.get("")
+    own = _own_styles(plan.get(""))
     input_dim = output_dim = None
-    kwarg = getattr(own, "input_kwarg", None)
-    if isinstance(own, PrepareInput):
-        input_dim = own.sequence_dim
+    kwarg = next((k for s in own if (k := getattr(s, "input_kwarg", None))), None)
+    for style in own:
+        if isinstance(style, PrepareInput):
+            input_dim = style.sequence_dim
+        elif isinstance(style, GatherInput):
+            input_dim = style.dim
     for style in plan.values():
         if isinstance(style, ColwiseParallel) and style.input == "sequence":
             input_dim = style.sequence_dim
@@ -672,4 +688,7 @@ def _layouts(plan: Mapping[str, Style]) -> tuple[int | None, int | None, str | N
             and style.output == "sequence"
         ):
             output_dim = style.sequence_dim
+    for style in own:  # the block's own output style has the last word
+        if isinstance(style, RedistributeOutput):
+            output_dim = style.dim if style.op == "scatter" else None
     return input_dim, output_dim, kwarg
