@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._tree import tree_map
-from ..distributed import process
+from ..distributed import process, teardown
 from ..sharded import Sharded
 from . import _atomic
 from .dcp import _flatten
@@ -114,6 +114,7 @@ class CheckpointManager:
         )
         self._pending: concurrent.futures.Future[None] | None = None
         self._closed = False
+        teardown.close_at_exit(self.close)  # a manager left open still ends before its group
         if self._rank == 0:
             self._remove_stale()
         if self._group is not None:
@@ -249,6 +250,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            teardown.forget_close(self)
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             if self._group is not None:
