@@ -61,12 +61,18 @@ def test_sigkill_during_new_save_leaves_no_checkpoint_and_the_previous_one(
     assert all(n.startswith(".step_2.tmp-") for n in others), seen
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("async_save", "phase"),
+    [(False, "written"), (True, "written"), (True, "data_written")],
+    ids=["sync", "async", "async-mid-write"],
+)
 def test_manager_ignores_a_killed_save_and_resumes_from_the_last_complete(
-    pools, tmp_path, async_save
+    pools, tmp_path, async_save, phase
 ):
+    # async-mid-write: rank 1 dies on the background thread with its data file written and
+    # the checkpoint's metadata not yet: the previous checkpoint stays the latest complete one.
     directory = str(tmp_path / "run")
-    codes = W.run_until_killed(W.manager_then_crash, 2, directory, "written", 1, async_save)
+    codes = W.run_until_killed(W.manager_then_crash, 2, directory, phase, 1, async_save)
     assert codes[1] == -9, codes
     seen = pools.run(2, W.manager_after_crash, directory)
     assert seen[0] == seen[1]
