@@ -49,10 +49,16 @@ def test_no_signal_means_no_stop(tmp_path):
         assert not any(mgr.reached_preemption(s) for s in range(1, 20))
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_check_every_must_be_a_positive_int(tmp_path, bad):
     with pytest.raises(ValueError, match=r"preemption_check_every must be a positive int, got"):
         CheckpointManager(tmp_path, save_every=10, preemption_check_every=bad)
+
+
+@pytest.mark.parametrize("bad", [(), 15, ("SIGTERM",), (9999,)])
+def test_signals_must_be_a_sequence_of_signals(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"preemption_signals must be a non-empty sequence of"):
+        CheckpointManager(tmp_path, save_every=10, preemption_signals=bad)
 
 
 def test_a_closed_manager_refuses(tmp_path):

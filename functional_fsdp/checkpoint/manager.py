@@ -115,13 +115,17 @@ class CheckpointManager:
                 raise ValueError(
                     f"CheckpointManager: {name} must be a positive int or None, got {value!r}."
                 )
-        if not isinstance(preemption_check_every, int) or preemption_check_every < 1:
+        if (
+            isinstance(preemption_check_every, bool)
+            or not isinstance(preemption_check_every, int)
+            or preemption_check_every < 1
+        ):
             raise ValueError(
                 f"CheckpointManager: preemption_check_every must be a positive int, got "
                 f"{preemption_check_every!r}; e.g. preemption_check_every=10 compares the "
                 f"ranks' notes every 10 steps."
             )
-        self.preemption_signals = tuple(signal.Signals(s) for s in preemption_signals)
+        self.preemption_signals = _signals(preemption_signals)
         self.preemption_check_every = preemption_check_every
         self._preemption = _Preemption()
         self.directory = Path(os.path.abspath(directory))
@@ -362,6 +366,19 @@ class CheckpointManager:
                 os.rename(p, original)  # an overwrite killed between its two renames
             else:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _signals(values: Sequence[int]) -> tuple[signal.Signals, ...]:
+    known = {s.value for s in signal.Signals}
+    seq = not isinstance(values, (str, bytes, int)) and isinstance(values, Sequence)
+    bad = [v for v in values if isinstance(v, bool) or v not in known] if seq else []
+    if not seq or bad or not values:
+        raise ValueError(
+            f"CheckpointManager: preemption_signals must be a non-empty sequence of signals, "
+            f"got {values!r}" + (f" ({bad!r} not a signal here)" if bad else "") + "; e.g. "
+            "preemption_signals=(signal.SIGTERM,) or (signal.SIGTERM, signal.SIGUSR1)."
+        )
+    return tuple(signal.Signals(v) for v in values)
 
 
 class _Preemption:
