@@ -13,6 +13,8 @@ step keeps each rank's share, so the loss is the global-batch mean.
 Checkpoints and resume: with ``--checkpoint-dir`` the run saves every ``--save-every`` steps
 (atomically, on a background thread; the data generator's state is saved too), and with
 ``--resume`` it continues from the latest complete checkpoint, bitwise as if uninterrupted.
+On SIGTERM (a scheduler's preemption notice) to any rank, every rank saves at the same step
+and the job exits 0 for the scheduler to requeue (docs/guides/preemption.md).
 Under torchrun's restarts a crashed rank costs at most the steps since the last checkpoint
 (the variable gives each restart a fresh rendezvous store; see pytorch/pytorch#135712):
 
@@ -149,7 +151,16 @@ def main() -> None:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         if manager is not None:
-            manager.save(state.step, {"state": state, "data": {"rng": gen.get_state()}})
+            tree = {"state": state, "data": {"rng": gen.get_state()}}
+            if manager.reached_preemption(int(state.step)):  # SIGTERM on any rank
+                manager.save(int(state.step), tree, force=True)
+                manager.close()  # waits for the save
+                if rank == 0:
+                    print(f"preempted: saved step {int(state.step)}; rerun with --resume")
+                dist.barrier()
+                dist.destroy_process_group()
+                raise SystemExit(0)  # a clean exit: the scheduler requeues the job
+            manager.save(state.step, tree)
         tok_s = tokens_per_step * (i + 1 - first) / (time.perf_counter() - start)
         bar.set_postfix(
             loss=f"{losses[-1]:.3f}",

@@ -4,7 +4,9 @@ Trains a small GPT (dropout 0.1) on 2 processes, checkpoints every 3 steps with 
 CheckpointManager (params, optimizer state, step, the random key and the data generator's
 state), and resumes from the latest
 complete checkpoint when there is one. On the first attempt only, rank 1 SIGKILLs itself
-before step ``--kill-at``. Rank 0 appends one JSON line per step: attempt, step, loss (as
+before step ``--kill-at``. With ``--preempt-at``, rank 1 sends itself SIGTERM before that
+step on the first launch (no checkpoint yet); every rank stops at the step the manager's
+``reached_preemption`` agrees on, saves it and exits 0. Rank 0 appends one JSON line per step: attempt, step, loss (as
 ``float.hex``, so comparisons are bitwise) and the step the attempt resumed from.
 """
 
@@ -31,6 +33,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--kill-at", type=int, default=-1, help="step before which rank 1 dies")
+    p.add_argument(
+        "--preempt-at", type=int, default=-1, help="step before which rank 1 gets SIGTERM"
+    )
     p.add_argument("--async-save", action="store_true")
     args = p.parse_args()
 
@@ -62,6 +67,8 @@ def main() -> None:
         while state.step < args.steps:
             if state.step + 1 == args.kill_at and attempt == 0 and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if state.step + 1 == args.preempt_at and resumed_from == 0 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler preempting one node
             batch = torch.randint(0, CFG.vocab_size, (8, 13), generator=gen)
             state, metrics = step(state, batch)
             if rank == 0:
@@ -73,7 +80,14 @@ def main() -> None:
                 }
                 out.write(json.dumps(record) + "\n")
                 out.flush()
-            mgr.save(state.step, {"state": state, "data": {"rng": gen.get_state()}})
+            tree = {"state": state, "data": {"rng": gen.get_state()}}
+            if args.preempt_at > 0 and mgr.reached_preemption(state.step):
+                mgr.save(state.step, tree, force=True)
+                mgr.close()  # waits for the save
+                if rank == 0:
+                    out.write(json.dumps({"preempted_at": state.step}) + "\n")
+                raise SystemExit(0)  # a clean exit: the scheduler requeues the job
+            mgr.save(state.step, tree)
     mgr.close()
     dist.barrier()
     dist.destroy_process_group()

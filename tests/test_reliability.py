@@ -61,12 +61,18 @@ def test_sigkill_during_new_save_leaves_no_checkpoint_and_the_previous_one(
     assert all(n.startswith(".step_2.tmp-") for n in others), seen
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("async_save", "phase"),
+    [(False, "written"), (True, "written"), (True, "data_written")],
+    ids=["sync", "async", "async-mid-write"],
+)
 def test_manager_ignores_a_killed_save_and_resumes_from_the_last_complete(
-    pools, tmp_path, async_save
+    pools, tmp_path, async_save, phase
 ):
+    # async-mid-write: rank 1 dies on the background thread with its data file written and
+    # the checkpoint's metadata not yet: the previous checkpoint stays the latest complete one.
     directory = str(tmp_path / "run")
-    codes = W.run_until_killed(W.manager_then_crash, 2, directory, "written", 1, async_save)
+    codes = W.run_until_killed(W.manager_then_crash, 2, directory, phase, 1, async_save)
     assert codes[1] == -9, codes
     seen = pools.run(2, W.manager_after_crash, directory)
     assert seen[0] == seen[1]
@@ -165,7 +171,9 @@ def test_transformers_llama_resumes_bitwise(pools, tmp_path, async_save):
     assert out["bitwise"]
 
 
-def _torchrun(directory: Path, out: Path, kill_at: int, async_save: bool) -> str:
+def _torchrun(
+    directory: Path, out: Path, kill_at: int, async_save: bool, preempt_at: int = -1
+) -> str:
     cmd = [
         sys.executable,
         "-m",
@@ -182,6 +190,8 @@ def _torchrun(directory: Path, out: Path, kill_at: int, async_save: bool) -> str
         str(out),
         "--kill-at",
         str(kill_at),
+        "--preempt-at",
+        str(preempt_at),
         *(["--async-save"] if async_save else []),
     ]
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE: init_distributed makes restarts work without it.
@@ -217,15 +227,23 @@ def test_torchrun_restart_of_a_gloo_group_needs_no_environment_variable():
 
 def _trajectory(out: Path) -> tuple[dict[int, str], list[dict]]:
     records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = [r for r in records if "step" in r]
     last_wins = {r["step"]: r["loss"] for r in records}  # a later attempt overwrites
     return last_wins, records
 
 
-def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, str]:
+    """The 12 losses of ``tests/_resume_script.py`` run without a kill or a signal."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    _torchrun(tmp / "ckpt", tmp / "ref.jsonl", -1, async_save=False)
+    return _trajectory(tmp / "ref.jsonl")[0]
+
+
+def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path, uninterrupted):
     kill_at = random.Random().randint(3, 10)  # any step: the result must not depend on it
-    _torchrun(tmp_path / "ref_ckpt", tmp_path / "ref.jsonl", -1, async_save=False)
     _torchrun(tmp_path / "ckpt", tmp_path / "run.jsonl", kill_at, async_save=True)
-    ref, _ = _trajectory(tmp_path / "ref.jsonl")
+    ref = uninterrupted
     got, records = _trajectory(tmp_path / "run.jsonl")
     assert sorted(ref) == list(range(1, 13))
     assert got == ref, f"kill_at={kill_at}"  # losses as float.hex(): bitwise
@@ -241,6 +259,28 @@ def test_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
         kill_at,
         records,
     )
+
+
+def test_sigterm_to_one_rank_saves_exits_zero_and_the_requeued_run_is_bitwise(
+    tmp_path, uninterrupted
+):
+    """SIGTERM reaches rank 1 alone (a scheduler preempting one node) before a random step:
+    every rank stops at the step reached_preemption agrees on, saves it (no periodic save
+    is due: checkpoints every 3 steps), and the launch exits 0. The next launch, as a
+    requeued job, resumes there, and its losses (dropout on) are the uninterrupted run's."""
+    preempt_at = random.Random().randint(2, 9)
+    run = tmp_path / "run.jsonl"
+    _torchrun(tmp_path / "ckpt", run, -1, async_save=True, preempt_at=preempt_at)
+    lines = [json.loads(line) for line in run.read_text().splitlines()]
+    stopped = [r["preempted_at"] for r in lines if "preempted_at" in r]
+    # Noted during step preempt_at, voted after it, agreed after the next step.
+    assert stopped == [preempt_at + 1], (preempt_at, lines)
+    assert max(r["step"] for r in lines if "step" in r) == preempt_at + 1
+    assert (tmp_path / "ckpt" / f"step_{preempt_at + 1:08d}").is_dir()
+    _torchrun(tmp_path / "ckpt", run, -1, async_save=True, preempt_at=preempt_at)
+    got, records = _trajectory(run)
+    assert got == uninterrupted, preempt_at  # losses as float.hex(): bitwise
+    assert {r["resumed_from"] for r in records} == {0, preempt_at + 1}
 
 
 def test_train_gpt_example_resumes_from_its_checkpoint_dir(tmp_path):

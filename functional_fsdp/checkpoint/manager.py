@@ -18,14 +18,18 @@ import concurrent.futures
 import os
 import re
 import shutil
+import signal
+import threading
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 
 from .._tree import tree_map
-from ..distributed import process
+from ..distributed import process, teardown
 from ..sharded import Sharded
 from . import _atomic
 from .dcp import _flatten, refuse_simulated
@@ -67,6 +71,15 @@ class CheckpointManager:
         keep_every: also keep every step that is a multiple of this (``None``: none).
         async_save: write on a background thread from a staged copy; :meth:`save` returns
             once the copy is made. Call :meth:`wait` or :meth:`close` before exiting.
+        preemption_signals: the signals :meth:`reached_preemption` watches for (SIGTERM by
+            default, what schedulers send before they stop a job; SLURM can send another,
+            e.g. ``signal.SIGUSR1`` with ``--signal=USR1@90``). Their handlers are replaced
+            only from the first call of :meth:`reached_preemption`, and put back by
+            :meth:`close`: a loop that never asks keeps the default behaviour.
+        preemption_check_every: the ranks compare notes every this many steps (one
+            asynchronous all-reduce of one integer, waited on at the next check, by when it
+            has finished); every rank learns of a signal between 1 and 2 times this many
+            steps after it arrived.
 
     Example:
         >>> mgr = ff.checkpoint.CheckpointManager("ckpt", save_every=100)  # doctest: +SKIP
@@ -89,6 +102,8 @@ class CheckpointManager:
         keep_last: int | None = 3,
         keep_every: int | None = None,
         async_save: bool = False,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        preemption_check_every: int = 1,
     ) -> None:
         refuse_simulated("CheckpointManager")
         if not isinstance(save_every, int) or save_every < 1:
@@ -101,6 +116,19 @@ class CheckpointManager:
                 raise ValueError(
                     f"CheckpointManager: {name} must be a positive int or None, got {value!r}."
                 )
+        if (
+            isinstance(preemption_check_every, bool)
+            or not isinstance(preemption_check_every, int)
+            or preemption_check_every < 1
+        ):
+            raise ValueError(
+                f"CheckpointManager: preemption_check_every must be a positive int, got "
+                f"{preemption_check_every!r}; e.g. preemption_check_every=10 compares the "
+                f"ranks' notes every 10 steps."
+            )
+        self.preemption_signals = _signals(preemption_signals)
+        self.preemption_check_every = preemption_check_every
+        self._preemption = _Preemption()
         self.directory = Path(os.path.abspath(directory))
         self.save_every = save_every
         self.keep_last = keep_last
@@ -115,6 +143,7 @@ class CheckpointManager:
         )
         self._pending: concurrent.futures.Future[None] | None = None
         self._closed = False
+        teardown.close_at_exit(self.close)  # a manager left open still ends before its group
         if self._rank == 0:
             self._remove_stale()
         if self._group is not None:
@@ -205,6 +234,44 @@ class CheckpointManager:
         if pending is not None:
             pending.result()
 
+    # ------------------------------------------------------------------ preemption
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether to save and stop now: True on every rank at the same step once any rank
+        received one of ``preemption_signals``, as Orbax's ``reached_preemption``.
+
+        A collective call: every rank calls it once per step with the same ``step``. The
+        first call installs the signal handlers (from the main thread: Python runs handlers
+        there), which only note that the signal came; the process keeps running. Every
+        ``preemption_check_every`` steps the ranks start one asynchronous all-reduce of
+        that note and read the previous one's result, which has long finished: no step
+        waits for it. When it says a rank was signalled, every rank returns True at that
+        step; the loop then saves with ``force=True``, waits for the save and exits 0, so
+        that the scheduler requeues the job and the next attempt resumes from the save.
+        Save within the scheduler's grace period (SIGKILL follows it).
+
+        Args:
+            step: the step just completed (the one the save will be named after).
+
+        Raises:
+            ValueError: the first call is not made from the main thread, or the manager is
+                closed.
+
+        Example:
+            >>> for i in range(start, total_steps):  # doctest: +SKIP
+            ...     state, metrics = step(state, next_batch(gen))
+            ...     tree = {"state": state, "data": {"rng": gen.get_state()}}
+            ...     if mgr.reached_preemption(state.step):
+            ...         mgr.save(state.step, tree, force=True)
+            ...         mgr.close()  # waits for the save
+            ...         raise SystemExit(0)  # the scheduler requeues the job
+            ...     mgr.save(state.step, tree)
+        """
+        self._check_open("reached_preemption")
+        return self._preemption.reached(
+            int(step), self.preemption_signals, self.preemption_check_every
+        )
+
     def restore(self, like: Any, step: int | None = None) -> Any:
         """Load the checkpoint of ``step`` (default: the latest complete one) into ``like``.
 
@@ -252,6 +319,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            teardown.forget_close(self)
+            self._preemption.stop()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             if self._group is not None:
@@ -300,3 +369,69 @@ class CheckpointManager:
                 os.rename(p, original)  # an overwrite killed between its two renames
             else:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def _signals(values: Sequence[int]) -> tuple[signal.Signals, ...]:
+    known = {s.value for s in signal.Signals}
+    seq = not isinstance(values, (str, bytes, int)) and isinstance(values, Sequence)
+    bad = [v for v in values if isinstance(v, bool) or v not in known] if seq else []
+    if not seq or bad or not values:
+        raise ValueError(
+            f"CheckpointManager: preemption_signals must be a non-empty sequence of signals, "
+            f"got {values!r}" + (f" ({bad!r} not a signal here)" if bad else "") + "; e.g. "
+            "preemption_signals=(signal.SIGTERM,) or (signal.SIGTERM, signal.SIGUSR1)."
+        )
+    return tuple(signal.Signals(v) for v in values)
+
+
+class _Preemption:
+    """The signal note of one manager, and the ranks' agreement on the step to stop at."""
+
+    def __init__(self) -> None:
+        self.signalled: int | None = None  # the signal that came, on this rank
+        self.stop_at: int | None = None  # the step every rank agreed to stop at
+        self._previous: dict[signal.Signals, Any] = {}
+        self._group: process.Group | None = None
+        self._vote: Callable[[], int] | None = None  # the all-reduce in flight
+        self._started = False
+
+    def reached(self, step: int, signals: tuple[signal.Signals, ...], every: int) -> bool:
+        if self.stop_at is not None:
+            return step >= self.stop_at
+        if not self._started:
+            self._start(signals)
+        if step % every != 0:
+            return False
+        vote, self._vote = self._vote, None
+        if vote is not None and vote() > 0:  # finished during the steps since it started
+            self.stop_at = step
+            return True
+        self._vote = process.start_max(0 if self.signalled is None else 1, self._group)
+        return False
+
+    def _start(self, signals: tuple[signal.Signals, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "CheckpointManager.reached_preemption: the first call installs the signal "
+                "handlers, which Python allows only on the main thread; call it from the "
+                "training loop on the main thread."
+            )
+        self._group = process.new_group("gloo")  # collective: the first call is on all ranks
+        for s in signals:
+            self._previous[s] = signal.signal(s, self._note)
+        self._started = True
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = signum
+
+    def stop(self) -> None:
+        """Put the previous handlers back; finish the vote in flight; end the group."""
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set in C
+        self._previous.clear()
+        vote, self._vote = self._vote, None
+        if vote is not None:
+            vote()
+        if self._group is not None:
+            process.destroy_group(self._group)
+            self._group = None

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..spec import did_you_mean
-from . import checks, gloo, restarts
+from . import checks, gloo, restarts, teardown
 from .axes import Axis as Axis
 from .axes import MeshGrid as MeshGrid
 from .axes import _simulation_paused as _simulation_paused
@@ -194,6 +194,10 @@ def init_distributed(
     process's heap (:mod:`functional_fsdp.distributed.gloo`, ``benchmarks/gloo_threads.py``).
     Start the job here rather than with ``torch.distributed.init_process_group`` on gloo.
 
+    At interpreter exit, unless the script ends by raising, the process groups are destroyed
+    and their threads joined before Python finalizes (:mod:`functional_fsdp.distributed.teardown`):
+    a gloo worker still releasing the job's last collective then aborted a finished job.
+
     Args:
         backend: the c10d backend; ``None`` means NCCL on CUDA (gloo when oversubscribing)
             and gloo on the CPU.
@@ -219,6 +223,7 @@ def init_distributed(
     _check_backend(backend)
     gloo.use_one_thread()  # before any group exists: see functional_fsdp/distributed/gloo.py
     _import_world_defaults()
+    teardown.end_groups_at_exit()  # the groups and their threads end before the interpreter
     if checks._env_check():  # the debug switch, read again once the run starts
         checks._CHECK = True
     single = "RANK" not in os.environ
@@ -338,4 +343,6 @@ def make_mesh(axes: Mapping[str, int], *, device_type: str | None = None) -> Dev
             f"size is {world}. Choose axis sizes whose product is {world}, or launch with "
             f"`torchrun --nproc-per-node {math.prod(sizes)}`."
         )
-    return init_device_mesh(device_type or default_device_type(), sizes, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type or default_device_type(), sizes, mesh_dim_names=names)
+    teardown.track_mesh(mesh)  # its groups die at exit even while the mesh is alive
+    return mesh

@@ -11,8 +11,10 @@ message) and are for code outside the training step (checkpoints, the launcher).
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 Group = Any  # a c10d ProcessGroup; None means the default (world) group
@@ -99,3 +101,24 @@ def destroy_group(group: Group = None) -> None:
     """Tear ``group`` down (the default group and every other, when ``None``), if it exists."""
     if dist.is_initialized():
         dist.destroy_process_group(group)
+
+
+def start_max(value: int, group: Group = None) -> Callable[[], int]:
+    """Start the maximum of every rank's ``value`` over ``group``; return a function that waits
+    for it and returns it. Asynchronous (a tiny all-reduce), so a caller can look at the result
+    a few steps later without waiting; ``value`` itself without a process group.
+
+    Example:
+        >>> start_max(3)()
+        3
+    """
+    if not dist.is_initialized():
+        return lambda: value
+    box = torch.tensor([value], dtype=torch.int64)
+    work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result() -> int:
+        work.wait()
+        return int(box.item())
+
+    return result
