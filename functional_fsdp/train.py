@@ -268,7 +268,8 @@ def _check_optimizer(optimizer: Any, where: str) -> None:
     )
     hint = (
         f"torch.optim.{name} holds its own state and updates parameters in place; use its "
-        f"pure counterpart, e.g. ff.adamw(3e-4) or ff.sgd(0.1, momentum=0.9)"
+        f"pure counterpart, e.g. ff.adamw(3e-4, weight_decay=0.01) (torch.optim.AdamW's "
+        f"default decay; ff.adamw's is optax's, 1e-4) or ff.sgd(0.1, momentum=0.9)"
         if torch_optim
         else "e.g. ff.adamw(3e-4), or ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(3e-4))"
     )
