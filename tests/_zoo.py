@@ -250,12 +250,12 @@ _ARCHS = [
         "bloom",
         "BloomForCausalLM",
         dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **_TOKENS),
-        ("ALiBi", "tied"),
+        ("ALiBi", "tied", "TP plan read off its layers (fused q/k/v, ALiBi per rank)"),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,
         torch_func=False,
         why_not=(
-            "its ALiBi attention runs a custom autograd.Function without setup_context, "
+            "its MLP's GELU runs a custom autograd.Function without setup_context, "
             "which torch.func.grad cannot differentiate"
         ),
     ),
