@@ -156,6 +156,16 @@ def tp_comms(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
     }
 
 
+def default_experts(arch: Arch, mesh: Any) -> dict[str, Any]:
+    """A MoE model built with ``transformers``' default experts implementation (not eager):
+    FSDP + TP with ``hf_tp_plan`` (``ExpertParallel``) against one process."""
+    model = arch.build(experts=None)
+    idx, tgt = batch(arch)
+    plan = ff.hf_tp_plan(model)
+    result = errors(ours(model, mesh, plan, idx, tgt), reference(model, idx, tgt))
+    return {**result, "implementation": model.config._experts_implementation}
+
+
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
@@ -175,6 +185,8 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     - ``"tp_sp"``: as ``"tp"``, with ``hf_tp_plan(sequence_parallel=True)``;
     - ``"tp_comms"``: (models in ``COMMS``) backward all-reduces over tp, one per block
       (``hf_tp_plan``) and one per colwise linear;
+    - ``"tp_default_experts"``: (MoE models) ``"tp"`` on the model built with
+      ``transformers``' default experts implementation (:func:`default_experts`);
     - ``"autograd"``: (models ``torch.func`` cannot differentiate) FSDP, FSDP + TP and
       LoRA + TP with gradients from plain autograd (:func:`on_autograd`).
 
@@ -183,6 +195,7 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     world = dist.get_world_size()
     dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train", "autograd"} & set(modes) else None
     tp_modes = {"tp", "tp_gathered", "lora_tp", "tp_sp", "tp_comms", "autograd"}
+    tp_modes |= {"tp_default_experts"}
     tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if tp_modes & set(modes) else None
     out: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -202,6 +215,9 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
             elif mode == "tp_comms":
                 if name in COMMS:
                     result[mode] = _guarded(tp_comms, model, arch, tp)
+            elif mode == "tp_default_experts":
+                if arch.moe:
+                    result[mode] = _guarded(default_experts, arch, tp)
             elif mode == "autograd":
                 if not arch.torch_func:
                     result[mode] = _guarded(on_autograd, model, arch, dp, tp)

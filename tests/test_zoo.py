@@ -15,7 +15,6 @@ import torch
 
 import functional_fsdp as ff
 from functional_fsdp.models import llama_plan
-from functional_fsdp.tp.hf_derive import AlibiHeads
 
 from . import _tp_hf_workers as W
 from . import _zoo_workers as Z
@@ -45,7 +44,7 @@ def two_ranks(pools):
     """Every model once per rank: FSDP and LoRA (full training for MoE) on dp=2, FSDP + TP on
     dp=1 x tp=2 (with and without sequence parallelism; all-reduces counted on two; on plain
     autograd for the models torch.func cannot differentiate)."""
-    modes = ("fsdp", "lora", "train", "tp", "tp_sp", "tp_comms", "autograd")
+    modes = ("fsdp", "lora", "train", "tp", "tp_sp", "tp_comms", "autograd", "tp_default_experts")
     return pools.run(2, Z.zoo_checks, list(ZOO), modes)
 
 
@@ -281,16 +280,27 @@ def test_uneven_splits_pad_only_where_padding_is_invisible():
         ff.tensor_parallel(model, mesh, {"0": ff.ColwiseParallel()})
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [n for n, a in ZOO.items() if a.moe])
+def test_expert_parallel_in_the_default_experts_implementation_matches_one_process(two_ranks, name):
+    # transformers' default experts (stacked weights run by grouped_mm, not the eager loop):
+    # each rank runs its own experts, the others' tokens skipped as expert parallelism does.
+    for rank in two_ranks:
+        result = rank[name]["tp_default_experts"]
+        _close(result)
+        assert result["implementation"] not in (None, "eager"), result
+
+
 def test_expert_parallel_refuses_another_experts_implementation():
     model = ZOO["mixtral"].build()
-    model.config._experts_implementation = "grouped_mm"
+    model.config._experts_implementation = "deepgemm"
     with (
         ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh,
         pytest.raises(
             ValueError,
             match=r"'model\.layers\.0\.mlp\.experts' \(MixtralExperts\) ExpertParallel\(\) on "
-            r"Mesh\(dp=1, tp=2\), but its experts implementation is 'grouped_mm'; "
-            r"ExpertParallel runs the eager one",
+            r"Mesh\(dp=1, tp=2\), but its experts implementation is 'deepgemm'; "
+            r"ExpertParallel runs the eager one and 'grouped_mm', 'batched_mm'",
         ),
     ):
         ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model))
@@ -391,24 +401,3 @@ def test_hf_tp_plan_checks_head_counts():
         ),
     ):
         ff.tensor_parallel(model, mesh, ff.hf_tp_plan(model))
-
-
-def test_bloom_needs_its_alibi_biases_per_rank():
-    # Bloom builds ALiBi biases for every head before its layers; each rank's attention runs
-    # its own heads, so it must get their biases (AlibiHeads). Without them the plan check
-    # refuses the attention at the first call.
-    model = ZOO["bloom"].build()
-    plan = ff.hf_tp_plan(model)
-    attention = "transformer.h.0.self_attention"
-    assert isinstance(plan[attention], AlibiHeads)
-    without = {**plan, attention: ff.LocalAttributes(("num_heads",))}
-    idx, _ = Z.batch(ZOO["bloom"])
-    with ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh:
-        tp = ff.tensor_parallel(model, mesh, without)
-        f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
-        with pytest.raises(
-            ValueError,
-            match=r"tensor_parallel: the plan gives BloomAttention "
-            r"'transformer\.h\.0\.self_attention' a wrong result on Mesh\(dp=1, tp=2\)",
-        ):
-            f.apply(f.shard(), idx)
