@@ -1,6 +1,7 @@
 """Tensor-parallel plans derived from a Hugging Face model's structure, where it ships none.
 
-``transformers`` ships no ``base_model_tp_plan`` for some causal LMs (OPT, StableLM, ...).
+``transformers`` ships no ``base_model_tp_plan`` for some causal LMs (OPT, StableLM, GPT-2,
+GPTBigCode, Falcon, Bloom).
 :func:`derive_plan` reads one off the decoder layers instead: every ``nn.Linear`` of a layer
 is named after its role (``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``/``out_proj`` in the
 attention; ``gate_proj``/``up_proj``/``fc1`` and ``down_proj``/``fc2`` in the MLP), and each
@@ -13,7 +14,10 @@ counts per rank for the call (:class:`~functional_fsdp.LocalAttributes`). Per-he
 (StableLM's ``q_layernorm``: one ``LayerNorm`` per head) run on this rank's heads
 (:class:`PerHeadNorms`); other modules with parameters beside the MLP's linears (a layer's
 norms, on the residual stream) read replicated values and say so (``LocalAttributes()``).
-Every derived plan is checked against one process by the zoo's tests.
+Fused q/k/v projections (GPT-2's ``c_attn``, Falcon's and Bloom's ``query_key_value``) are
+recognised by their modules' names and layouts; Bloom's ALiBi biases, built by the model for
+every head, are cut to each rank's heads (:class:`AlibiHeads`). Every derived plan is checked
+against one process by the zoo's tests.
 """
 
 from __future__ import annotations
