@@ -62,6 +62,11 @@ def test_layers_whose_linears_do_not_tell_their_role_get_no_derived_plan():
     )
     with pytest.raises(ValueError, match=r"has no base_model_tp_plan: .*none can be read off"):
         ff.hf_tp_plan(falcon)
+    falcon = transformers.FalconForCausalLM(  # ALiBi folded into a per-head attention mask
+        transformers.FalconConfig(**{**ZOO["falcon"].options, "alibi": True})
+    )
+    with pytest.raises(ValueError, match=r"has no base_model_tp_plan: .*none can be read off"):
+        ff.hf_tp_plan(falcon)
 
 
 def test_gpt2_and_gpt_bigcode_fused_qkv_keep_this_ranks_heads():

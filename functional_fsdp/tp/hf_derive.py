@@ -474,11 +474,13 @@ def _falcon_like(list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
     """Falcon: ``self_attention.query_key_value`` (q, k and v fused), ``self_attention.dense``,
     ``mlp.dense_h_to_4h`` and ``mlp.dense_4h_to_h``. Multi-query: ``[q heads | k | v]``;
     otherwise ``[q, k, v]`` interleaved per head (whole heads per rank). The grouped layout of
-    ``new_decoder_architecture`` gets no derived plan."""
+    ``new_decoder_architecture`` gets no derived plan, nor does Falcon with ALiBi."""
     attn, mlp = getattr(layers[0], "self_attention", None), getattr(layers[0], "mlp", None)
     qkv_name, out_name = "query_key_value", "dense"
     if attn is None or mlp is None or getattr(attn, "new_decoder_architecture", True):
         return None
+    if getattr(getattr(attn, "config", None), "alibi", False):
+        return None  # its ALiBi biases are folded into a per-head mask, cut by neither style
 
     def linear(m: Any) -> bool:  # an nn.Linear, or a peft LoRA layer around one
         return isinstance(getattr(m, "base_layer", m), nn.Linear)
