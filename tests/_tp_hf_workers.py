@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functional_fsdp as ff
+from functional_fsdp.grad_engine import autograd_grad_and_value
 from functional_fsdp.models import llama_plan, lm_loss
 from functional_fsdp.tp.ops import vocab_parallel_cross_entropy
 from functional_fsdp.tp.plan import tensor_parallel
@@ -89,7 +90,15 @@ def trainable(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def reference(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor):
+def grad_and_value(fn: Any, wrt: Any, engine: str = "func") -> tuple[Any, torch.Tensor]:
+    """``torch.func.grad_and_value(fn)(wrt)``, or (``engine="autograd"``) the same computed
+    with plain autograd, for model code ``torch.func`` cannot differentiate (Bloom)."""
+    if engine == "autograd":
+        return autograd_grad_and_value(lambda t, _: fn(t), wrt, None)
+    return torch.func.grad_and_value(fn)(wrt)
+
+
+def reference(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor, engine: str = "func"):
     """Loss and gradients of the trainable parameters on one process, the whole batch."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     names = trainable(model)
@@ -99,7 +108,7 @@ def reference(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor):
         out = torch.func.functional_call(model, {**t, **frozen}, (idx,))
         return lm_loss(logits_of(out), tgt)
 
-    grads, loss = torch.func.grad_and_value(loss_fn)({n: params[n] for n in names})
+    grads, loss = grad_and_value(loss_fn, {n: params[n] for n in names}, engine)
     return loss, grads
 
 
@@ -112,6 +121,7 @@ def ours(
     *,
     loss_parallel: bool = True,
     verify: bool = True,
+    engine: str = "func",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FSDP+TP: the loss (mean over data ranks) and the gathered gradients of the trainable
     parameters; frozen shards are not differentiated."""
@@ -128,7 +138,7 @@ def ours(
             return vocab_parallel_cross_entropy(logits, y, mesh)
         return lm_loss(logits, y)
 
-    grads, loss = torch.func.grad_and_value(loss_fn)({n: params[n] for n in names})
+    grads, loss = grad_and_value(loss_fn, {n: params[n] for n in names}, engine)
     return ff.all_reduce(loss.detach(), mesh, f.data_axes, op="mean"), ff.gather(grads)
 
 

@@ -59,7 +59,7 @@ class Arch:
     vocab: int = VOCAB
     lora_targets: Any = field(default="all-linear")
 
-    def config(self) -> Any:
+    def config(self, experts: str | None = "eager") -> Any:
         import transformers
 
         name = self.config_cls or self.cls.replace("ForCausalLM", "Config").replace(
@@ -67,15 +67,17 @@ class Arch:
         )
         cfg = getattr(transformers, name)(**self.options)
         cfg._attn_implementation = "eager"
-        if self.moe:  # ExpertParallel runs the eager experts loop
-            cfg._experts_implementation = "eager"
+        if self.moe and experts is not None:  # None: transformers' default (grouped_mm)
+            cfg._experts_implementation = experts
         return cfg
 
-    def build(self, seed: int = 0) -> nn.Module:
+    def build(self, seed: int = 0, experts: str | None = "eager") -> nn.Module:
+        """A fresh model; ``experts``: the MoE experts implementation (``None``: the
+        ``transformers`` default, stacked expert weights run by ``grouped_mm``)."""
         import transformers
 
         torch.manual_seed(seed)
-        model = getattr(transformers, self.cls)(self.config())
+        model = getattr(transformers, self.cls)(self.config(experts))
         return model.eval()
 
 
@@ -250,12 +252,12 @@ _ARCHS = [
         "bloom",
         "BloomForCausalLM",
         dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, **_TOKENS),
-        ("ALiBi", "tied"),
+        ("ALiBi", "tied", "TP plan read off its layers (fused q/k/v, ALiBi per rank)"),
         tied=True,
-        tp_plan=False,
+        sequence_parallel=False,
         torch_func=False,
         why_not=(
-            "its ALiBi attention runs a custom autograd.Function without setup_context, "
+            "its MLP's GELU runs a custom autograd.Function without setup_context, "
             "which torch.func.grad cannot differentiate"
         ),
     ),

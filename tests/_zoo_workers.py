@@ -19,7 +19,7 @@ import functional_fsdp as ff
 from functional_fsdp.models import lm_loss
 from functional_fsdp.train import local_batch
 
-from ._tp_hf_workers import errors, logits_of, ours, reference, with_lora
+from ._tp_hf_workers import errors, grad_and_value, logits_of, ours, reference, with_lora
 from ._zoo import ZOO, Arch
 
 BATCH, SEQ, STEPS, LR = 4, 8, 2, 1e-2
@@ -33,12 +33,14 @@ def batch(arch: Arch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.randint(0, arch.vocab, (BATCH, SEQ), generator=g)
 
 
-def fsdp_loss_grads(model: nn.Module, mesh: Any, idx: torch.Tensor, tgt: torch.Tensor):
+def fsdp_loss_grads(
+    model: nn.Module, mesh: Any, idx: torch.Tensor, tgt: torch.Tensor, engine: str = "func"
+):
     """FSDP (one unit per decoder layer, found by ``ff.fsdp``): loss and gathered gradients."""
     f = ff.fsdp(model, mesh)
     params = f.shard()
     x, y = local_batch((idx, tgt), mesh, f.data_axes)
-    grads, loss = torch.func.grad_and_value(lambda p: lm_loss(logits_of(f.apply(p, x)), y))(params)
+    grads, loss = grad_and_value(lambda p: lm_loss(logits_of(f.apply(p, x)), y), params, engine)
     return ff.all_reduce(loss.detach(), mesh, f.data_axes, op="mean"), ff.gather(grads)
 
 
@@ -88,14 +90,31 @@ def train_vs_adamw(
     }
 
 
-def lora_tp(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
+def lora_tp(model: nn.Module, arch: Arch, mesh: Any, engine: str = "func") -> dict[str, Any]:
     """A peft LoRA model with ``ff.hf_tp_plan``: loss and adapter gradients vs one process."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's note on GPT-2's Conv1D (fan_in_fan_out)
         peft_model = with_lora(model, target_modules=arch.lora_targets)
     idx, tgt = batch(arch)
     plan = ff.hf_tp_plan(peft_model, require_layer_plan=arch.tp_plan)
-    return errors(ours(peft_model, mesh, plan, idx, tgt), reference(peft_model, idx, tgt))
+    return errors(
+        ours(peft_model, mesh, plan, idx, tgt, engine=engine),
+        reference(peft_model, idx, tgt, engine),
+    )
+
+
+def on_autograd(model: nn.Module, arch: Arch, dp: Any, tp: Any) -> dict[str, Any]:
+    """For a model ``torch.func`` cannot differentiate: FSDP (dp = world size), FSDP + TP
+    (``hf_tp_plan``, logits split) and LoRA + TP, gradients computed with plain autograd on
+    both sides (``train_step(engine="autograd")``'s engine), against one process."""
+    idx, tgt = batch(arch)
+    want = reference(model, idx, tgt, "autograd")
+    plan = ff.hf_tp_plan(model, require_layer_plan=arch.tp_plan)
+    return {
+        "fsdp": _guarded(lambda: errors(fsdp_loss_grads(model, dp, idx, tgt, "autograd"), want)),
+        "tp": _guarded(lambda: errors(ours(model, tp, plan, idx, tgt, engine="autograd"), want)),
+        "lora_tp": _guarded(lora_tp, model, arch, tp, "autograd"),
+    }
 
 
 def per_linear(plan: dict[str, ff.Style]) -> dict[str, ff.Style]:
@@ -137,6 +156,16 @@ def tp_comms(model: nn.Module, arch: Arch, mesh: Any) -> dict[str, Any]:
     }
 
 
+def default_experts(arch: Arch, mesh: Any) -> dict[str, Any]:
+    """A MoE model built with ``transformers``' default experts implementation (not eager):
+    FSDP + TP with ``hf_tp_plan`` (``ExpertParallel``) against one process."""
+    model = arch.build(experts=None)
+    idx, tgt = batch(arch)
+    plan = ff.hf_tp_plan(model)
+    result = errors(ours(model, mesh, plan, idx, tgt), reference(model, idx, tgt))
+    return {**result, "implementation": model.config._experts_implementation}
+
+
 def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
     try:
         return fn(*args)
@@ -155,13 +184,18 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
     - ``"lora_tp"``: the same mesh and plan on a peft LoRA model (adapter gradients);
     - ``"tp_sp"``: as ``"tp"``, with ``hf_tp_plan(sequence_parallel=True)``;
     - ``"tp_comms"``: (models in ``COMMS``) backward all-reduces over tp, one per block
-      (``hf_tp_plan``) and one per colwise linear.
+      (``hf_tp_plan``) and one per colwise linear;
+    - ``"tp_default_experts"``: (MoE models) ``"tp"`` on the model built with
+      ``transformers``' default experts implementation (:func:`default_experts`);
+    - ``"autograd"``: (models ``torch.func`` cannot differentiate) FSDP, FSDP + TP and
+      LoRA + TP with gradients from plain autograd (:func:`on_autograd`).
 
     A mode that raises reports ``{mode: "error"}`` with the message, not a number.
     """
     world = dist.get_world_size()
-    dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train"} & set(modes) else None
-    tp_modes = {"tp", "tp_gathered", "lora_tp", "tp_sp", "tp_comms"}
+    dp = ff.make_mesh({"dp": world}) if {"fsdp", "lora", "train", "autograd"} & set(modes) else None
+    tp_modes = {"tp", "tp_gathered", "lora_tp", "tp_sp", "tp_comms", "autograd"}
+    tp_modes |= {"tp_default_experts"}
     tp = ff.make_mesh({"dp": world // 2, "tp": 2}) if tp_modes & set(modes) else None
     out: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -181,6 +215,12 @@ def zoo_checks(names: list[str], modes: tuple[str, ...]) -> dict[str, dict[str, 
             elif mode == "tp_comms":
                 if name in COMMS:
                     result[mode] = _guarded(tp_comms, model, arch, tp)
+            elif mode == "tp_default_experts":
+                if arch.moe:
+                    result[mode] = _guarded(default_experts, arch, tp)
+            elif mode == "autograd":
+                if not arch.torch_func:
+                    result[mode] = _guarded(on_autograd, model, arch, dp, tp)
             elif isinstance(want, dict):  # the reference itself failed
                 result[mode] = want
             elif mode == "fsdp":

@@ -108,7 +108,7 @@ def test_checkpointing_exact_on_the_zoo(pools):
 
     names = [n for n, a in ZOO.items() if a.torch_func]
     skipped = {n: a.why_not for n, a in ZOO.items() if not a.torch_func}
-    assert set(skipped) == {"bloom"}, skipped  # ALiBi's autograd.Function: see _zoo.py
+    assert set(skipped) == {"bloom"}, skipped  # its GELU's autograd.Function: see _zoo.py
     tp_names = ["llama", "qwen3", "phi"]
     # Sequence parallel, dropout in both streams (attention: common; residual: sequence).
     sp_names = ["starcoder2", "phi3"]

@@ -1,4 +1,5 @@
-"""TP plans read off a transformers model's layers where it ships none (OPT, StableLM).
+"""TP plans read off a transformers model's layers where it ships none (OPT, StableLM, GPT-2,
+GPTBigCode, Falcon, Bloom).
 
 The numbers are checked against one process in tests/test_zoo.py (the zoo's TP column);
 here, what the derived plan holds and what gets no derived plan.
@@ -7,12 +8,15 @@ here, what the derived plan holds and what gets no derived plan.
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import functional_fsdp as ff
-from functional_fsdp.tp.hf_derive import PerHeadNorms, derive_plan
+from functional_fsdp.tp.hf_derive import AlibiHeads, PerHeadNorms, derive_plan
 
 from ._zoo import ZOO
+
+transformers = pytest.importorskip("transformers")
 
 
 def _styles(plan, layer):
@@ -53,8 +57,16 @@ def test_layers_whose_linears_do_not_tell_their_role_get_no_derived_plan():
     model.config = type("Config", (), {"num_hidden_layers": 2})()
     model.layers = nn.ModuleList([_Fused(), _Fused()])
     assert derive_plan(model, "") is None
+    falcon = transformers.FalconForCausalLM(  # grouped [q.. k v] per key/value group
+        transformers.FalconConfig(**{**ZOO["falcon"].options, "new_decoder_architecture": True})
+    )
     with pytest.raises(ValueError, match=r"has no base_model_tp_plan: .*none can be read off"):
-        ff.hf_tp_plan(ZOO["bloom"].build())  # query_key_value: fused, head-interleaved
+        ff.hf_tp_plan(falcon)
+    falcon = transformers.FalconForCausalLM(  # ALiBi folded into a per-head attention mask
+        transformers.FalconConfig(**{**ZOO["falcon"].options, "alibi": True})
+    )
+    with pytest.raises(ValueError, match=r"has no base_model_tp_plan: .*none can be read off"):
+        ff.hf_tp_plan(falcon)
 
 
 def test_gpt2_and_gpt_bigcode_fused_qkv_keep_this_ranks_heads():
@@ -80,3 +92,44 @@ def test_falcon_multi_query_keeps_this_ranks_query_heads():
     )
     assert falcon["self_attention"] == ff.LocalAttributes(("num_heads",))
     assert falcon["mlp.dense_4h_to_h"] == ff.RowwiseParallel()
+
+
+def test_bloom_keeps_whole_heads_and_their_alibi_biases():
+    model = ZOO["bloom"].build()
+    bloom = _styles(ff.hf_tp_plan(model), "transformer.h.1")
+    # query_key_value is [q, k, v] interleaved per head: whole heads (3 x 8 features) per rank.
+    assert bloom["self_attention.query_key_value"] == ff.ColwiseParallel(head_dim=24)
+    assert bloom["self_attention.dense"] == ff.RowwiseParallel()
+    assert bloom["mlp.dense_h_to_4h"] == ff.ColwiseParallel()
+    assert bloom["mlp.dense_4h_to_h"] == ff.RowwiseParallel()
+    # The model builds ALiBi biases for its 4 heads; each rank's attention keeps its own.
+    assert bloom["self_attention"] == AlibiHeads(heads=4)
+    with ff.simulated_mesh({"tp": 2}) as mesh:
+        wrap = AlibiHeads(heads=4).wrap(model.transformer.h[0].self_attention, mesh, "tp")
+        alibi = torch.arange(2 * 4 * 3.0).reshape(2 * 4, 1, 3)  # [batch * heads, 1, keys]
+        got = ff.rank_values(wrap(lambda *a, alibi: alibi)(None, alibi=alibi))
+    by_head = alibi.reshape(2, 4, 1, 3)
+    for rank, value in enumerate(got):
+        torch.testing.assert_close(value, by_head[:, 2 * rank : 2 * rank + 2].reshape(4, 1, 3))
+
+
+def test_bloom_without_its_alibi_biases_per_rank_is_refused_at_the_first_call():
+    model = ZOO["bloom"].build()
+    plan = ff.hf_tp_plan(model)
+    attention = "transformer.h.0.self_attention"
+    without = {**plan, attention: ff.LocalAttributes(("num_heads",))}
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with ff.simulated_mesh({"dp": 1, "tp": 2}) as mesh:
+        tp = ff.tensor_parallel(model, mesh, without)
+        f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+        with pytest.raises(
+            ValueError,
+            match=r"tensor_parallel: the plan gives BloomAttention "
+            r"'transformer\.h\.0\.self_attention' a wrong result on Mesh\(dp=1, tp=2\)",
+        ):
+            f.apply(f.shard(), idx)
+    with (
+        ff.simulated_mesh({"tp": 3}) as mesh,
+        pytest.raises(ValueError, match=r"tp=3 does not divide its 4 attention heads"),
+    ):
+        ff.tensor_parallel(model, mesh, plan)

@@ -18,12 +18,13 @@ model runs FSDP + TP in one line::
 | ``rowwise_split_input`` | ``RowwiseParallel(input="replicated")`` |
 | ``embedding_rowwise`` | ``VocabParallelEmbedding()`` |
 | ``replicated_with_grad_allreduce`` | ``ReplicatedParallel()`` |
-| ``moe_tp_experts`` | ``ExpertParallel()`` (whole experts per rank) |
+| ``moe_tp_experts`` | ``ExpertParallel()`` (whole experts per rank; eager, ``grouped_mm`` or ``batched_mm`` experts) |
 | ``packed_colwise``, ``rowwise`` on expert weights | covered by ``ExpertParallel`` |
 
-Where ``transformers`` ships no plan (OPT, StableLM, GPT-2, GPTBigCode), one is read off the
-decoder layers (:mod:`functional_fsdp.tp.hf_derive`): projections by their names, fused q/k/v
-projections kept per rank by heads, head counts set per rank for the call.
+Where ``transformers`` ships no plan (OPT, StableLM, GPT-2, GPTBigCode, Falcon, Bloom), one
+is read off the decoder layers (:mod:`functional_fsdp.tp.hf_derive`): projections by their
+names, fused q/k/v projections kept per rank by heads, head counts (and Bloom's ALiBi biases)
+set per rank for the call.
 
 Colwise linears that read nothing but their block's input (q, k, v of an attention) take
 ``input="prepared"`` under a :class:`PrepareInput` on the block: one backward all-reduce

@@ -1,6 +1,7 @@
 """Tensor-parallel plans derived from a Hugging Face model's structure, where it ships none.
 
-``transformers`` ships no ``base_model_tp_plan`` for some causal LMs (OPT, StableLM, ...).
+``transformers`` ships no ``base_model_tp_plan`` for some causal LMs (OPT, StableLM, GPT-2,
+GPTBigCode, Falcon, Bloom).
 :func:`derive_plan` reads one off the decoder layers instead: every ``nn.Linear`` of a layer
 is named after its role (``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``/``out_proj`` in the
 attention; ``gate_proj``/``up_proj``/``fc1`` and ``down_proj``/``fc2`` in the MLP), and each
@@ -13,11 +14,15 @@ counts per rank for the call (:class:`~functional_fsdp.LocalAttributes`). Per-he
 (StableLM's ``q_layernorm``: one ``LayerNorm`` per head) run on this rank's heads
 (:class:`PerHeadNorms`); other modules with parameters beside the MLP's linears (a layer's
 norms, on the residual stream) read replicated values and say so (``LocalAttributes()``).
-Every derived plan is checked against one process by the zoo's tests.
+Fused q/k/v projections (GPT-2's ``c_attn``, Falcon's and Bloom's ``query_key_value``) are
+recognised by their modules' names and layouts; Bloom's ALiBi biases, built by the model for
+every head, are cut to each rank's heads (:class:`AlibiHeads`). Every derived plan is checked
+against one process by the zoo's tests.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +38,12 @@ from .styles import (
     Forward,
     ForwardWrapper,
     LocalAttributes,
+    PerRank,
     PrepareInput,
     RowwiseParallel,
     Style,
     _map_input,
+    _PerRank,
 )
 from .torch_styles import GatherInput
 
@@ -214,6 +221,66 @@ class FusedColwise(Style):
         return wrapper
 
 
+@dataclass(frozen=True, kw_only=True)
+class AlibiHeads(_PerRank, Style):
+    """An attention whose ALiBi biases (keyword ``alibi``, ``[batch * heads, 1, keys]``, heads
+    minor: ``transformers``' ``build_alibi_tensor``) are built by the model for every head:
+    this rank keeps its heads' biases (each head its own slope), and ``per_rank`` attributes
+    (the head count the attention reshapes with) are set per rank for the call.
+
+    The model builds the biases once, before its layers, from the global head count; the
+    attention's ``query_key_value`` keeps whole heads per rank, so rank ``r`` of ``tp`` runs
+    heads ``r * heads / tp`` to ``(r + 1) * heads / tp`` and needs their slopes.
+
+    Attributes:
+        heads: the global number of attention heads the biases were built for.
+        kwarg: the keyword argument holding the biases.
+        per_rank: as :class:`~functional_fsdp.LocalAttributes`.
+
+    Example:
+        >>> AlibiHeads(heads=4).per_rank[0][0]
+        'num_heads'
+    """
+
+    heads: int
+    kwarg: str = "alibi"
+    per_rank: PerRank = ("num_heads",)
+
+    def __post_init__(self) -> None:
+        self._normalise_per_rank()
+
+    def problem(self, module: nn.Module, tp: int) -> str | None:
+        if self.heads % tp:
+            return f"tp={tp} does not divide its {self.heads} attention heads"
+        return _PerRank.problem(self, module, tp)
+
+    def wrap(self, module: nn.Module, mesh: DeviceMesh, axis: str) -> ForwardWrapper:
+        try:
+            names = list(inspect.signature(type(module).forward).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        position = names.index(self.kwarg) if self.kwarg in names else None
+
+        def keep(alibi: Any) -> Any:
+            if not isinstance(alibi, torch.Tensor):
+                return alibi  # None: the model built no biases for this call
+            rest = alibi.shape[1:]
+            by_head = alibi.reshape(-1, self.heads, *rest)
+            return scatter_to(by_head, mesh, axis, 1).reshape(-1, *rest)
+
+        def wrapper(forward: Forward) -> Forward:
+            def per_rank_heads(*args: Any, **kwargs: Any) -> Any:
+                if self.kwarg in kwargs:
+                    kwargs = {**kwargs, self.kwarg: keep(kwargs[self.kwarg])}
+                elif position is not None and position < len(args):
+                    args = (*args[:position], keep(args[position]), *args[position + 1 :])
+                return forward(*args, **kwargs)
+
+            return per_rank_heads
+
+        return wrapper
+
+
 @dataclass(frozen=True)
 class DerivedPlan:
     """A plan read off a model's structure.
@@ -284,7 +351,11 @@ def derive_plan(model: nn.Module, base: str) -> DerivedPlan | None:
     if base and not list_path.startswith(base):
         return None
     relative = list_path[len(base) :]
-    fused = _gpt2_like(model, list_path, layers) or _falcon_like(list_path, layers)
+    fused = (
+        _gpt2_like(model, list_path, layers)
+        or _falcon_like(list_path, layers)
+        or _bloom_like(list_path, layers)
+    )
     if fused is not None:
         return fused
     kinds: dict[str, str] = {}
@@ -403,11 +474,13 @@ def _falcon_like(list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
     """Falcon: ``self_attention.query_key_value`` (q, k and v fused), ``self_attention.dense``,
     ``mlp.dense_h_to_4h`` and ``mlp.dense_4h_to_h``. Multi-query: ``[q heads | k | v]``;
     otherwise ``[q, k, v]`` interleaved per head (whole heads per rank). The grouped layout of
-    ``new_decoder_architecture`` gets no derived plan."""
+    ``new_decoder_architecture`` gets no derived plan, nor does Falcon with ALiBi."""
     attn, mlp = getattr(layers[0], "self_attention", None), getattr(layers[0], "mlp", None)
     qkv_name, out_name = "query_key_value", "dense"
     if attn is None or mlp is None or getattr(attn, "new_decoder_architecture", True):
         return None
+    if getattr(getattr(attn, "config", None), "alibi", False):
+        return None  # its ALiBi biases are folded into a per-head mask, cut by neither style
 
     def linear(m: Any) -> bool:  # an nn.Linear, or a peft LoRA layer around one
         return isinstance(getattr(m, "base_layer", m), nn.Linear)
@@ -440,3 +513,41 @@ def _falcon_like(list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
         )
         attention[f"{prefix}.self_attention"] = attrs
     return DerivedPlan({}, styles, attention)
+
+
+def _bloom_like(list_path: str, layers: nn.ModuleList) -> DerivedPlan | None:
+    """Bloom: ``self_attention.query_key_value`` (``[q, k, v]`` interleaved per head: whole
+    heads per rank), ``self_attention.dense``, ``mlp.dense_h_to_4h`` and ``mlp.dense_4h_to_h``;
+    the ALiBi biases the model builds for every head are cut to this rank's heads
+    (:class:`AlibiHeads`)."""
+    attn, mlp = getattr(layers[0], "self_attention", None), getattr(layers[0], "mlp", None)
+    if attn is None or mlp is None or hasattr(attn, "new_decoder_architecture"):
+        return None
+    try:
+        takes_alibi = "alibi" in inspect.signature(type(attn).forward).parameters
+    except (TypeError, ValueError):
+        return None
+    heads, head_dim = getattr(attn, "num_heads", None), getattr(attn, "head_dim", None)
+    if not (takes_alibi and isinstance(heads, int) and isinstance(head_dim, int)):
+        return None
+    names = ("query_key_value", "dense")
+    modules = [getattr(attn, n, None) for n in names]
+    modules += [getattr(mlp, "dense_h_to_4h", None), getattr(mlp, "dense_4h_to_h", None)]
+    if not all(isinstance(getattr(m, "base_layer", m), nn.Linear) for m in modules):
+        return None
+    qkv = getattr(modules[0], "base_layer", modules[0])
+    if qkv.out_features != 3 * heads * head_dim:  # type: ignore[union-attr]
+        return None
+    styles: dict[str, Style] = {}
+    for i in range(len(layers)):
+        prefix = f"{list_path}.{i}"
+        styles.update(
+            {
+                f"{prefix}.self_attention": AlibiHeads(heads=heads),
+                f"{prefix}.self_attention.query_key_value": ColwiseParallel(head_dim=3 * head_dim),
+                f"{prefix}.self_attention.dense": RowwiseParallel(),
+                f"{prefix}.mlp.dense_h_to_4h": ColwiseParallel(),
+                f"{prefix}.mlp.dense_4h_to_h": RowwiseParallel(),
+            }
+        )
+    return DerivedPlan({}, styles)

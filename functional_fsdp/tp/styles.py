@@ -632,6 +632,11 @@ class ReplicatedParallel(Style):
         return _parameter_gradients_summed(module, mesh, axis)
 
 
+# transformers experts implementations that skip expert ids >= num_experts (the sentinel of
+# other ranks' experts) when the module's _is_expert_parallel is set.
+_SENTINEL_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpertParallel(Style):
     """A ``transformers`` mixture-of-experts module (``MixtralExperts``, ``Qwen2MoeExperts``)
@@ -647,8 +652,12 @@ class ExpertParallel(Style):
     ``transformers``' own plan splits each expert's intermediate features instead
     (``"packed_colwise"`` on ``gate_up_proj``, whose gate and up halves are interleaved per
     rank), a layout a :class:`~functional_fsdp.P` cannot express; splitting whole experts
-    needs only ``P``. Needs the eager experts implementation (``config._experts_implementation``
-    ``None`` or ``"eager"``) and tp dividing the number of experts.
+    needs only ``P``.
+
+    Runs under ``transformers``' eager experts implementation and under its default ones,
+    ``"grouped_mm"`` and ``"batched_mm"`` (stacked expert weights, ``[experts, out, in]``):
+    those skip the "no expert" index when the module's ``_is_expert_parallel`` is set, which
+    this style sets for the call. Needs tp dividing the number of experts.
 
     Example:
         >>> ExpertParallel()
@@ -675,10 +684,13 @@ class ExpertParallel(Style):
                 f"num_experts (MixtralExperts, Qwen2MoeExperts, ...), not a {type(module).__name__}"
             )
         impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-        if impl not in (None, "eager"):
+        if impl not in (None, "eager") and not (
+            impl in _SENTINEL_IMPLEMENTATIONS and hasattr(module, "_is_expert_parallel")
+        ):
             return (
-                f"its experts implementation is {impl!r}; ExpertParallel runs the eager one "
-                f"(build the model with experts_implementation='eager')"
+                f"its experts implementation is {impl!r}; ExpertParallel runs the eager one and "
+                f"{', '.join(map(repr, _SENTINEL_IMPLEMENTATIONS))} (build the model with "
+                f"experts_implementation='eager' or one of those)"
             )
         return _divides("experts", n, tp, "Use a tp that divides the number of experts.")
 
@@ -694,7 +706,10 @@ class ExpertParallel(Style):
                 shifted, mine = _local_ids(index, local, mesh, axis)
                 index = torch.where(mine, shifted, torch.full_like(shifted, local))
                 x, weights = copy_to(x, mesh, axis), copy_to(weights, mesh, axis)
-                with _attributes_set(module, {"num_experts": local}):
+                local_attributes: dict[str, Any] = {"num_experts": local}
+                if hasattr(module, "_is_expert_parallel"):  # skip the sentinel `local`
+                    local_attributes["_is_expert_parallel"] = True
+                with _attributes_set(module, local_attributes):
                     return reduce_from(forward(x, index, weights), mesh, axis)
 
             return experts
