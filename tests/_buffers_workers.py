@@ -77,7 +77,8 @@ def sync_matches_one_process(engine: str) -> dict[str, Any]:
         values = ff.gather(params)
         params = sm.shard({k: values[k] - LR * full[k] for k in values})
         bufs = new
-    moved = _err(bufs, before)
+    stats = [k for k in bufs if not k.endswith("num_batches_tracked")]
+    moved = _err({k: bufs[k] for k in stats}, {k: before[k] for k in stats})
     return {
         **errors,
         "moved": moved,
@@ -136,3 +137,76 @@ def per_rank_matches_ddp() -> dict[str, Any]:
     errors["eval"] = (out - ddp(pixel_values=x).logits).abs().max().item()
     sm.module.train()
     return {**errors, "spread": spread}
+
+
+def _step_setup(mode: str, accumulate: int) -> tuple[Any, ...]:
+    model = _resnet()
+    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
+    opt = ff.sgd(LR)
+
+    def loss_fn(params: Any, x: torch.Tensor, bufs: Any) -> Any:
+        out, new = sm.apply(params, pixel_values=x, buffers=bufs, mutable=mode)
+        return out.logits.square().mean(), new
+
+    step = ff.train_step(loss_fn, opt, model=sm, accumulate=accumulate)
+    state = ff.TrainState.create(sm.shard(), opt, buffers=dict(model.named_buffers()))
+    return model, sm, step, state
+
+
+def _global(step: int) -> torch.Tensor:
+    return torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(20 + step))
+
+
+def train_step_sync_matches_one_process(accumulate: int) -> dict[str, Any]:
+    """train_step with the buffers in the state, mutable='sync', ``accumulate`` micro-batches
+    threaded in order: parameters and buffers after STEPS steps against one process that runs
+    each global micro-batch (micro-batch i of every rank's share) in turn."""
+    model, _, step, state = _step_setup("sync", accumulate)
+    ref = copy.deepcopy(model)
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    world = dist.get_world_size()
+    for i in range(STEPS):
+        x = _global(i)
+        state, _ = step(state, x)
+        ref.zero_grad()
+        shares = x.chunk(world)
+        for m in range(accumulate):  # the global micro-batch m: every share's m-th part
+            mb = torch.cat([s.chunk(accumulate)[m] for s in shares])
+            (ref(pixel_values=mb).logits.square().mean() / accumulate).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= LR * p.grad
+    params = ff.gather(state.params)
+    return {
+        "params": _err(params, {k: p.detach() for k, p in ref.named_parameters()}),
+        "buffers": _err(state.buffers, dict(ref.named_buffers())),
+        "tracked": int(state.buffers["resnet.embedder.embedder.normalization.num_batches_tracked"]),
+        "unchanged": _err(dict(model.named_buffers()), before),
+    }
+
+
+def checkpoint_resume(path: str) -> dict[str, Any]:
+    """Save after 2 steps, load into a fresh state, take step 3: bitwise the uninterrupted run,
+    buffers included; the checkpoint holds them under ``buffers.<name>``."""
+    _, _, step, state = _step_setup("per_rank", 1)
+    for i in range(2):
+        state, _ = step(state, _global(i))
+    ff.checkpoint.save(path, state)
+    straight, _ = step(state, _global(2))
+    _, _, _, template = _step_setup("per_rank", 1)
+    loaded = ff.checkpoint.load(path, template)
+    resumed, _ = step(loaded, _global(2))
+    keys = sorted(dcp_keys(path))
+    return {
+        "params": _err(ff.gather(straight.params), ff.gather(resumed.params)),
+        "buffers": _err(straight.buffers, resumed.buffers),
+        "loaded_buffers": _err(loaded.buffers, state.buffers),
+        "step": int(resumed.step),
+        "buffer_keys": [k for k in keys if k.startswith("buffers.")],
+    }
+
+
+def dcp_keys(path: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)

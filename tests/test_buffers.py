@@ -29,3 +29,22 @@ def test_per_rank_batch_stats_equal_torch_ddp(pools):
     # rank 1's own statistics (DDP's, before its next broadcast) differ from rank 0's: each
     # rank normalised with its own share
     assert results[1]["spread"] > 1e-3, results
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_train_step_threads_buffers_and_equals_one_process(pools, accumulate):
+    for r in pools.run(2, W.train_step_sync_matches_one_process, accumulate):
+        assert r["params"] < 1e-5 and r["buffers"] < 1e-5, r
+        assert r["tracked"] == W.STEPS * accumulate, r  # every micro-batch, in order
+        assert r["unchanged"] == 0, r
+
+
+def test_buffers_are_checkpointed_and_resume_bitwise(pools, tmp_path):
+    for r in pools.run(2, W.checkpoint_resume, str(tmp_path / "ckpt")):
+        assert r["params"] == 0 and r["buffers"] == 0 and r["loaded_buffers"] == 0, r
+        assert r["step"] == 3, r
+        assert "buffers.resnet.embedder.embedder.normalization.running_mean" in r["buffer_keys"]
+        assert (
+            "buffers.resnet.embedder.embedder.normalization.num_batches_tracked"
+            in (r["buffer_keys"])
+        )
