@@ -46,13 +46,16 @@ def _err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def sync_matches_one_process(engine: str) -> dict[str, Any]:
+def sync_matches_one_process(engine: str, checkpointed: bool = False) -> dict[str, Any]:
     """mutable='sync': logits, gradients and running statistics over STEPS SGD steps equal
-    one process's on the global batch; the module and the given buffers are never written."""
+    one process's on the global batch; the module and the given buffers are never written.
+    ``checkpointed``: every unit recomputes its forward in backward (its collectives too)."""
     model = _resnet()
     ref = copy.deepcopy(model)
     before = {k: b.clone() for k, b in model.named_buffers()}
-    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
+    policy = ff.Policy(activation_checkpointing=checkpointed)
+    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}), policy=policy)
+    units = len(sm.layout.units)
     params, bufs = sm.shard(), {k: b.clone() for k, b in model.named_buffers()}
     given = {k: b.clone() for k, b in bufs.items()}
     grad_fn = _grad_fn(sm, "sync", engine)
@@ -84,6 +87,7 @@ def sync_matches_one_process(engine: str) -> dict[str, Any]:
         "moved": moved,
         "tracked": int(bufs["resnet.embedder.embedder.normalization.num_batches_tracked"]),
         "unchanged": _err(dict(model.named_buffers()), before),
+        "units": units,
     }
 
 
