@@ -86,6 +86,13 @@ class TrainState:
         rng: the random key (an ``int64[2]`` tensor from :func:`~functional_fsdp.rng_key`) that
             every step's random numbers (dropout) derive from; saved with the state. ``None``:
             the step leaves torch's generator alone (see ``docs/randomness.md``).
+        buffers: the module buffers carried as state (``{name: tensor}``, e.g. BatchNorm's
+            running statistics), or ``None`` (the default: none). With buffers,
+            ``train_step`` calls ``loss_fn(params, batch, buffers)``, which returns
+            ``(its usual return value, new_buffers)`` (from :meth:`FSDP.apply` with
+            ``mutable=``), threads them through the micro-batches in order and returns the
+            last in the new state; checkpoints hold them under ``buffers.<name>`` (see
+            ``docs/guides/buffers.md``).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -96,6 +103,7 @@ class TrainState:
     """
 
     __slots__ = (
+        "_buffers",
         "_donated_at",
         "_opt_specs",
         "_opt_state",
@@ -113,9 +121,11 @@ class TrainState:
         trainable: frozenset[str] | None = None,
         opt_specs: tuple[tuple[str, P], ...] | None = None,
         rng: torch.Tensor | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self._params, self._opt_state, self._step = params, opt_state, step
         self._rng = rng
+        self._buffers = buffers
         self._trainable = None if trainable is None else frozenset(trainable)
         self._opt_specs = opt_specs
         self._donated_at: int | None = None
@@ -128,6 +138,7 @@ class TrainState:
         trainable: Any = None,
         opt_specs: Any = None,
         rng: int | torch.Tensor | None = 0,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> TrainState:
         """A fresh state at step 0, with optimizer state for the trainable parameters only.
 
@@ -149,6 +160,8 @@ class TrainState:
                 randomness: every step's dropout masks derive from it, the step count and
                 the data-parallel rank. ``None``: no key; steps draw from torch's global
                 generator as the caller left it.
+            buffers: the buffers carried as state (e.g. ``dict(module.named_buffers())``,
+                or the ones ``init_sharded`` returns); ``None``: none. Never written.
 
         Raises:
             ValueError: if ``trainable`` names a parameter ``params`` lacks, or selects none.
@@ -186,7 +199,17 @@ class TrainState:
         if isinstance(opt_state, MasterWeightsState):  # the trainable params in its dtype
             split = _Split(params, names)
             params = split.full([_cast(x, opt_state.param_dtype) for x in split.train_leaves])
-        return TrainState(params, opt_state, 0, names, opt_specs=layout, rng=_as_key(rng))
+        if buffers is not None and not (
+            isinstance(buffers, dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items())
+        ):
+            raise TypeError(
+                f"TrainState.create: buffers must be a dict {{name: tensor}} (e.g. "
+                f"dict(module.named_buffers())), or None; got {_short_repr(buffers)}."
+            )
+        return TrainState(
+            params, opt_state, 0, names, opt_specs=layout, rng=_as_key(rng), buffers=buffers
+        )
 
     @property
     def opt_specs(self) -> tuple[tuple[str, P], ...] | None:
@@ -225,6 +248,11 @@ class TrainState:
     def rng(self) -> torch.Tensor | None:
         self._alive()
         return self._rng
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor] | None:
+        self._alive()
+        return self._buffers
 
     def __repr__(self) -> str:
         if self._donated_at is not None:
@@ -353,16 +381,20 @@ def _flatten_state(
     s: TrainState,
 ) -> tuple[tuple[Any, ...], tuple[Any, Any], tuple[str, ...]]:
     s._alive()
-    children = (s._params, s._opt_state, s._step, s._rng)
+    children = (s._params, s._opt_state, s._step, s._rng, s._buffers)
     static = (s._trainable, s._opt_specs)
-    return children, static, ("params", "opt_state", "step", "rng")
+    return children, static, ("params", "opt_state", "step", "rng", "buffers")
 
 
 optree.register_pytree_node(
     TrainState,
     _flatten_state,
     lambda static, children: TrainState(
-        *children[:3], trainable=static[0], opt_specs=static[1], rng=children[3]
+        *children[:3],
+        trainable=static[0],
+        opt_specs=static[1],
+        rng=children[3],
+        buffers=children[4],
     ),
     namespace=NAMESPACE,
 )
@@ -812,10 +844,31 @@ class _Config:
     has_aux: bool
     differentiate: Differentiator  # remembers the engine "auto" chose
 
-    def loss(self, params: Any, batch: Batch) -> tuple[torch.Tensor, tuple[Any, Any]]:
-        """``loss_fn(params, batch)`` as ``(value to differentiate, (count, aux))``: all
-        tensors, as ``torch.func``'s ``has_aux`` takes them (``()`` for none)."""
-        value, count, aux = loss_parts(self.loss_fn(params, batch), self.has_aux)
+    def loss(self, params: Any, batch: Batch) -> tuple[torch.Tensor, tuple[Any, Any, Any]]:
+        """``loss_fn(params, batch)`` as ``(value to differentiate, (count, aux, buffers))``:
+        all tensors, as ``torch.func``'s ``has_aux`` takes them (``()`` for none). A
+        :class:`_WithBuffers` batch calls ``loss_fn(params, batch, buffers)``, which returns
+        its value and the new buffers."""
+        new_buffers: Any = ()
+        if isinstance(batch, _WithBuffers):
+            out = self.loss_fn(params, batch.batch, batch.buffers)  # type: ignore[call-arg]
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+                raise TypeError(
+                    f"train_step: the state carries buffers, so loss_fn(params, batch, buffers) "
+                    f"must return (loss, new_buffers), new_buffers the dict that "
+                    f"sharded_model.apply(params, ..., buffers=buffers, mutable=...) returns; "
+                    f"got {_short_repr(out)}."
+                )
+            out, new_buffers = out
+            if new_buffers.keys() != batch.buffers.keys():
+                raise ValueError(
+                    f"train_step: loss_fn returned buffers with keys "
+                    f"{sorted(new_buffers)[:5]}, but the state carries "
+                    f"{sorted(batch.buffers)[:5]}; return every buffer the state carries."
+                )
+        else:
+            out = self.loss_fn(params, batch)
+        value, count, aux = loss_parts(out, self.has_aux)
         as_tensors = functools.partial(
             optree.tree_map,
             lambda x: x if isinstance(x, torch.Tensor) else torch.as_tensor(x),
@@ -824,11 +877,19 @@ class _Config:
         return value, (
             () if count is None else as_tensors(count),
             () if aux is None else as_tensors(aux),
+            new_buffers,
         )
 
     def stream(self, key: torch.Tensor | None) -> Callable[[int], Any]:
         """Micro-batch ``i``'s random stream, from this step's key."""
         return lambda i: _micro_batch_stream(key, i, self.model, self.randomness)
+
+
+class _WithBuffers(typing.NamedTuple):
+    """A micro-batch and the buffers its ``loss_fn`` call starts from."""
+
+    batch: Batch
+    buffers: dict[str, torch.Tensor]
 
 
 class _PathResult(typing.NamedTuple):
@@ -839,6 +900,7 @@ class _PathResult(typing.NamedTuple):
     outputs: Outputs  # loss_fn's, summed over this rank's micro-batches
     restore: Callable[[Any], Any]  # updated values -> the parameters' at-rest layout
     in_place: bool  # whether donation may write the update into ``train``
+    buffers: Any = None  # the buffers after the last micro-batch (None: the state has none)
 
 
 def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batch) -> Any:
@@ -881,10 +943,11 @@ def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batc
     micro = split_batch(local, cfg.accumulate, whose=whose) if cfg.accumulate > 1 else [local]
     zero = layout is not None and _is_zero(model, split, layout)
     masters = _masters_of(state.opt_state, split, model, layout, zero, cfg.accumulate_mode)
+    bufs = state.buffers
     if zero:
-        path = _zero_path(cfg, split, micro, typing.cast(Any, layout), key, masters)
+        path = _zero_path(cfg, split, micro, typing.cast(Any, layout), key, masters, bufs)
     else:
-        path = _fsdp_path(cfg, split, micro, layout, key, masters)
+        path = _fsdp_path(cfg, split, micro, layout, key, masters, bufs)
     return _update(cfg, state, split, path)
 
 
@@ -895,6 +958,7 @@ def _fsdp_path(
     layout: tuple[tuple[str, P], ...] | None,
     key: torch.Tensor | None,
     masters: _Masters | None = None,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> _PathResult:
     """FSDP, ``shard_grad_op``, DDP, HSDP and TP: the gradients of the trainable leaves as
     :meth:`FSDP.apply` reduces them, per unit (``reduce_each``), or once per step over the
@@ -935,15 +999,15 @@ def _fsdp_path(
             return cfg.loss(split.full(t, base), b)
 
     widen = None if masters is None else masters.dtypes
-    total, outputs = _value_and_grads(
-        checked, train, micro, cfg.stream(key), cfg.differentiate, widen
+    total, outputs, buffers = _value_and_grads(
+        checked, train, micro, cfg.stream(key), cfg.differentiate, widen, buffers
     )
     if pullback is not None:
         (total,) = pullback(total)
     grads = split.train_def.unflatten(total)
     values = split.train
     if layout is None:
-        return _PathResult(values, grads, outputs, lambda new: new, in_place=True)
+        return _PathResult(values, grads, outputs, lambda new: new, True, buffers)
     at_rest = optree.tree_map(
         lambda v: v.spec if isinstance(v, Sharded) else None,
         values,
@@ -957,6 +1021,7 @@ def _fsdp_path(
         outputs,
         lambda new: reshard(new, at_rest, check=False),
         in_place=True,
+        buffers=buffers,
     )
 
 
@@ -967,6 +1032,7 @@ def _zero_path(
     layout: tuple[tuple[str, P], ...],
     key: torch.Tensor | None,
     masters: _Masters | None = None,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> _PathResult:
     """ZeRO-1/2: parameters replicated over the data axes at rest, the optimizer on shards.
 
@@ -994,8 +1060,8 @@ def _zero_path(
     if masters is not None and masters.wrt is not None:  # ZeRO-2: the masters are the shards
         wrt = masters.wrt
     widen = None if masters is None else masters.dtypes
-    total, outputs = _value_and_grads(
-        checked, wrt, micro, cfg.stream(key), cfg.differentiate, widen
+    total, outputs, buffers = _value_and_grads(
+        checked, wrt, micro, cfg.stream(key), cfg.differentiate, widen, buffers
     )
     if cfg.accumulate_mode == "local":
         # Onto the masters' layout and dtype when there are masters (their gradients reach
@@ -1014,6 +1080,7 @@ def _zero_path(
         outputs,
         restore,
         in_place=False,  # the shards are the step's own copies
+        buffers=buffers,
     )
 
 
@@ -1065,6 +1132,7 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
         state.trainable,
         opt_specs=state.opt_specs,
         rng=key,  # never donated: the new state shares it
+        buffers=path.buffers,
     )
     # What the optimizer state records about this update (the learning rate it applied,
     # apply_if_finite's skips): read from the new state, copied if the next donated step
@@ -1099,7 +1167,8 @@ def _value_and_grads(
     stream: Callable[[int], contextlib.AbstractContextManager[Any]],
     differentiate: Differentiator,
     widen: list[torch.dtype] | None = None,
-) -> tuple[list[Any], Outputs]:
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> tuple[list[Any], Outputs, dict[str, torch.Tensor] | None]:
     """The one place a step differentiates and accumulates: the gradients of
     ``fn(wrt, micro_batch)`` (its value; ``fn`` returns ``(value, (count, aux))``) with
     respect to ``wrt`` (``torch.func.grad_and_value``, or autograd: ``differentiate``'s
@@ -1107,6 +1176,8 @@ def _value_and_grads(
     (detached). ``stream(i)`` is micro-batch ``i``'s random stream.
     ``widen``: per leaf of ``wrt``, the dtype micro-batch gradients are summed in when it is
     wider than theirs (the masters' of :func:`~functional_fsdp.master_weights`).
+    ``buffers``: the state's buffers, threaded through the micro-batches in order (each
+    ``fn`` call starts from the previous one's); the last are returned (``None``: none).
 
     Whatever reduces the gradients runs inside ``fn`` (``FSDP.apply``'s units); the engine
     that computes them is this function's business alone.
@@ -1115,7 +1186,10 @@ def _value_and_grads(
     add = functools.partial(optree.tree_map, torch.add, namespace=NAMESPACE)
     for i, mb in enumerate(micro):
         with stream(i):
-            g, (v, (c, a)) = differentiate.grad_and_value(fn, has_aux=True)(wrt, mb)
+            given = mb if buffers is None else _WithBuffers(mb, buffers)
+            g, (v, (c, a, b)) = differentiate.grad_and_value(fn, has_aux=True)(wrt, given)
+            if buffers is not None:
+                buffers = b
         if total is None and widen is not None and len(micro) > 1:
             g = [_widened(x, d) for x, d in zip(g, widen)]
         total = g if total is None else add(total, g)
@@ -1129,7 +1203,7 @@ def _value_and_grads(
         n = len(micro)
         total = optree.tree_map(lambda t: t / n, total, namespace=NAMESPACE)
     outputs = Outputs(typing.cast(torch.Tensor, value), items, aux, len(micro))
-    return typing.cast(list[Any], total), outputs
+    return typing.cast(list[Any], total), outputs, buffers
 
 
 def _opt_layout(state: TrainState, split: _Split, asked: Any) -> tuple[tuple[str, P], ...] | None:

@@ -233,6 +233,7 @@ class FSDP:
         params: dict[str, Sharded],
         *args: Any,
         buffers: dict[str, torch.Tensor] | None = None,
+        mutable: bool | str = False,
         **kwargs: Any,
     ) -> Any:
         """Run the module on ``args``/``kwargs`` with sharded ``params`` (a pure function).
@@ -245,7 +246,29 @@ class FSDP:
         ``buffers`` (``{name: tensor}``) replaces the module's buffers for this call, as in
         ``torch.func.functional_call``; buffers are never sharded. Python control flow that
         skips a unit must agree on every rank (its collectives are skipped too).
+
+        ``mutable`` carries the buffers as state, as Flax's ``mutable=["batch_stats"]``: the
+        forward runs on clones of ``buffers`` (BatchNorm in training mode updates its running
+        statistics there) and the call returns ``(out, new_buffers)``, ``new_buffers`` with
+        the keys of ``buffers``; your module and ``buffers`` are never written, and the new
+        values are detached (state, not differentiated: return them as ``has_aux`` output).
+        ``"sync"``: BatchNorm normalises with the statistics of the global batch over the data
+        axes and its running statistics equal one process's on the global batch
+        (SyncBatchNorm's). ``"per_rank"`` (or ``True``): each rank normalises with its own
+        share's statistics and the new buffers are data rank 0's on every rank (torch DDP's
+        default, ``broadcast_buffers=True``). See docs/guides/buffers.md.
+
+        Example:
+            >>> import torch, functional_fsdp as ff
+            >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+            ...     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+            ...     sm = ff.fsdp(model, mesh)
+            ...     bufs = dict(model.named_buffers())
+            ...     out, new = sm.apply(sm.shard(), torch.ones(4, 3), buffers=bufs, mutable="sync")
+            ...     int(new["1.num_batches_tracked"]), int(bufs["1.num_batches_tracked"])
+            (1, 0)
         """
+        mode = _mutable_mode(mutable, buffers)
         layout = self._layout_for(params)
         given = step_inputs.inputs_for(self)  # what a train_step tells this call, if any
         policy = self.policy
@@ -266,6 +289,7 @@ class FSDP:
             kwargs,
             buffers,
             replicas=given.replicas,
+            mutable=mode,
         )
 
     def _layout_for(self, params: Any) -> ModelLayout:
@@ -543,3 +567,23 @@ def _check_wrappers(
                 f"(paths look like {(close or [p for p in modules if p])[:6]})"
             )
     return tuple(wrappers)
+
+
+def _mutable_mode(mutable: Any, buffers: Any) -> str | None:
+    """``FSDP.apply``'s ``mutable=`` as a mode (``None``: buffers are not state)."""
+    if mutable is False:
+        return None
+    mode = "per_rank" if mutable is True else mutable
+    if mode not in ("per_rank", "sync"):
+        raise ValueError(
+            f"FSDP.apply: mutable={mutable!r}; pass mutable='sync' (BatchNorm statistics over "
+            f"the global batch, SyncBatchNorm's), mutable='per_rank' (each rank's own share, "
+            f"torch DDP's), or False."
+        )
+    if not isinstance(buffers, dict):
+        raise ValueError(
+            f"FSDP.apply(mutable={mutable!r}) needs the buffers it updates: pass "
+            f"buffers=dict(module.named_buffers()) (or the buffers a previous call returned); "
+            f"got buffers={type(buffers).__name__}."
+        )
+    return mode

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._modules import copy_tree
+from . import batch_stats
 from .functions import (
     Checkpoint,
     GradFence,
@@ -142,13 +143,16 @@ def run(
     buffers: dict[str, torch.Tensor] | None,
     *,
     replicas: Mapping[int, torch.Tensor],
+    mutable: str | None = None,
 ) -> Any:
     """Run the module of ``layout`` on ``args``/``kwargs`` with the sharded ``params``.
 
     ``modules`` is the module's ``named_modules(remove_duplicate=False)``; ``params`` were
     checked against the layout by the caller. ``replicas`` (ZeRO-1/2, from the step): full
     values to compute with instead of all-gathering, by the id of a local shard in ``params``
-    (see :class:`~functional_fsdp.fsdp.step_inputs.StepInputs`).
+    (see :class:`~functional_fsdp.fsdp.step_inputs.StepInputs`). ``mutable`` (``"per_rank"``
+    or ``"sync"``): the forward runs on clones of ``buffers`` and the call returns
+    ``(out, new_buffers)`` (see :mod:`functional_fsdp.fsdp.batch_stats`).
     """
     ctx = Context.for_call(mesh, sizes, policy, data_axes, trackers=active_trackers())
     state = CallState(layout, ctx, params, replicas)
@@ -167,12 +171,17 @@ def run(
     for alias, meta in layout.placeholders.items():
         ref, attr = _slot(copies, alias)
         ref()._parameters[attr] = meta  # type: ignore[union-attr,assignment]
+    if mutable is not None:
+        buffers = batch_stats.clones(buffers or {})
     if buffers:
         _set_buffers(copies, modules, buffers)
         # A unit runs isolated on its arguments and its own parameters: one that could read a
         # differentiated buffer runs in the transform's graph instead.
         state.isolate = not _differentiated(buffers)
 
+    written_ok = set(buffers) if mutable is not None and buffers else set()
+    if mutable == "sync":  # before the units' forwards, which wrap it
+        batch_stats.install_sync(copies, written_ok, mesh, data_axes)
     by_path: dict[str, list[ModuleWrapper]] = {}
     for path, wrapper in wrappers:  # inner wrappers first (tensor-parallel styles)
         by_path.setdefault(path, []).append(wrapper)
@@ -184,7 +193,7 @@ def run(
         base = module.__dict__.get("forward")
         module.__dict__["forward"] = _Forward(module, base, by_path.get(path, ()), unit)
 
-    versions = _buffer_versions(copies)
+    versions = _buffer_versions(copies, written_ok)
     root = state.root_call()
     try:
         if root is not None:
@@ -210,6 +219,11 @@ def run(
         out, root.hooked = attach(PreBackward, out, hook)
     if state.isolate:
         out = _fence_outputs(out)
+    if mutable is not None:
+        new = batch_stats.collect(copies, buffers or {})
+        if mutable == "per_rank":
+            new = batch_stats.from_first_data_rank(new, mesh, data_axes, ctx.simulated)
+        return out, new
     return out
 
 
@@ -456,8 +470,11 @@ def _set_buffers(
         module._buffers[attr] = t
 
 
-def _buffer_versions(copies: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, int]]:
-    """Each buffer the call's modules hold, by key path, with its version counter.
+def _buffer_versions(
+    copies: dict[str, nn.Module], written_ok: set[str]
+) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each buffer the call's modules hold, by key path, with its version counter, but those
+    in ``written_ok`` (the call's own clones, under ``mutable=``).
 
     A BatchNorm layer that would update its running statistics is refused first, before the
     forward writes them (its kernel writes them without bumping their versions); any other
@@ -466,15 +483,17 @@ def _buffer_versions(copies: dict[str, nn.Module]) -> dict[str, tuple[torch.Tens
     for path, module in copies.items():
         if _updates_running_stats(module):
             key = f"{path}.running_mean" if path else "running_mean"
-            _refuse_buffer_writes([(key, module.running_mean)], copies)
+            if key not in written_ok:
+                _refuse_buffer_writes([(key, module.running_mean)], copies)
     found: dict[str, tuple[torch.Tensor, int]] = {}
     seen: set[int] = set()
     for path, module in copies.items():
         for name, t in module._buffers.items():
-            if t is None or id(t) in seen or t.is_inference():  # no version counter
-                continue
+            key = f"{path}.{name}" if path else name
+            if t is None or id(t) in seen or t.is_inference() or key in written_ok:
+                continue  # (an inference tensor has no version counter)
             seen.add(id(t))
-            found[f"{path}.{name}" if path else name] = (t, t._version)
+            found[key] = (t, t._version)
     return found
 
 
@@ -506,9 +525,11 @@ def _refuse_buffer_writes(
     raise ValueError(
         f"FSDP.apply: the forward writes the buffer {key!r} of {owner} (shape "
         f"{tuple(t.shape)}, {t.dtype}) in place{others}, as BatchNorm's running statistics do "
-        f"in training mode. Buffers are not training state here: the write would change your "
-        f"module, each rank would keep its own value, and checkpoints would not hold it. Build "
-        f"the layer with track_running_stats=False (batch statistics, no buffers), freeze it "
-        f"with layer.eval() before calling (its running statistics as they are), or use "
+        f"in training mode. Outside mutable= the write would change your module, each rank "
+        f"would keep its own value, and checkpoints would not hold it. Carry the buffers as "
+        f"state: out, new_buffers = sharded_model.apply(params, x, buffers=buffers, "
+        f"mutable='sync') (or mutable='per_rank'; TrainState(buffers=...) in train_step). Or "
+        f"build the layer with track_running_stats=False (batch statistics, no buffers), freeze "
+        f"it with layer.eval() before calling (its running statistics as they are), or use "
         f"LayerNorm or GroupNorm."
     )
