@@ -381,9 +381,14 @@ def _flatten_state(
     s: TrainState,
 ) -> tuple[tuple[Any, ...], tuple[Any, Any], tuple[str, ...]]:
     s._alive()
-    children = (s._params, s._opt_state, s._step, s._rng, s._buffers)
+    # A state without buffers has no "buffers" child at all: its checkpoint keys are those of
+    # a state written before buffers could be carried, so old checkpoints still load.
+    children: tuple[Any, ...] = (s._params, s._opt_state, s._step, s._rng)
+    names: tuple[str, ...] = ("params", "opt_state", "step", "rng")
+    if s._buffers is not None:
+        children, names = (*children, s._buffers), (*names, "buffers")
     static = (s._trainable, s._opt_specs)
-    return children, static, ("params", "opt_state", "step", "rng", "buffers")
+    return children, static, names
 
 
 optree.register_pytree_node(
@@ -394,7 +399,7 @@ optree.register_pytree_node(
         trainable=static[0],
         opt_specs=static[1],
         rng=children[3],
-        buffers=children[4],
+        buffers=children[4] if len(children) > 4 else None,
     ),
     namespace=NAMESPACE,
 )

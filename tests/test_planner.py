@@ -278,9 +278,11 @@ def test_compare_strategies_side_by_side_and_fits():
     assert zero1.opt_state_bytes == zero2.opt_state_bytes < ddp.opt_state_bytes
     assert sgo.gathered_peak_bytes > zero3.gathered_peak_bytes
     assert zero3.comm_bytes("all_gather") == 2 * sgo.comm_bytes("all_gather")
-    # The paper's ZeRO-1/2 move DDP's bytes (the scalars of the loss and norm aside).
-    assert abs(zero1.comm_bytes() - ddp.comm_bytes()) <= 8
-    assert abs(zero2.comm_bytes() - ddp.comm_bytes()) <= 8
+    # The paper's ZeRO-1/2 move DDP's bytes (the scalars of the loss and norm aside: the norm
+    # of sharded gradients is all-reduced with its count of non-finite tensors, 2 fp32 values
+    # in a ring over 8 ranks, 2 * 8 * 7 / 8 = 14 bytes).
+    assert abs(zero1.comm_bytes() - ddp.comm_bytes()) <= 14
+    assert abs(zero2.comm_bytes() - ddp.comm_bytes()) <= 14
     assert cmp["hsdp"].comm_bytes("all_reduce", "replicate") > 0
     gib = (zero3.peak_bytes + ddp.peak_bytes) / 2 / 1024**3
     assert "zero3" in cmp.fits(gib) and "ddp" not in cmp.fits(gib)

@@ -64,7 +64,9 @@ def check_paper_traffic(measured: dict, n: int, suffix: str = "") -> None:
             assert got == {
                 ("reduce_scatter", "dp"): (reduce_scatters, share),
                 ("all_gather", "dp"): (1, share),
-                ("all_reduce", "dp"): (2, 2 * scalar),
+                # the loss; the norm's sum of squares with its count of non-finite tensors
+                # beside it (per-element finiteness rides in the same all-reduce)
+                ("all_reduce", "dp"): (2, 3 * scalar),
             }, (name, bf16)
 
 

@@ -700,7 +700,10 @@ def plan(
         """Who issued a collective: the step (a scalar all-reduce: the loss, the norm; ZeRO's
         gradient reduce-scatter and parameter all-gather), tensor parallelism (another
         axis) or FSDP."""
-        if kind == "all_reduce" and nbytes < 16:
+        # The step's all-reduces carry a few scalars: the loss (with a count for a (sum,
+        # count) loss, in float64), the norm with its count of non-finite tensors; a ring
+        # sends under twice the payload. Gradient buckets are far larger.
+        if kind == "all_reduce" and nbytes < 64:
             return "step"
         if axis not in data_set:
             return "tp"
