@@ -26,6 +26,22 @@ REINIT_HINT = (
 SAME_PARAMS_HINT = "Pass the params these updates belong to (the same tree, keys and sharding)."
 
 
+def require_params(where: str, params: object) -> None:
+    """Refuse ``update(grads, state)`` for a transformation that reads the params.
+
+    Example:
+        >>> require_params("lamb", None)
+        Traceback (most recent call last):
+        ...
+        ValueError: lamb needs the params: call opt.update(grads, state, params) instead of opt.update(grads, state).
+    """
+    if params is None:
+        raise ValueError(
+            f"{where} needs the params: call opt.update(grads, state, params) instead of "
+            f"opt.update(grads, state)."
+        )
+
+
 def check_real(where: str, name: str, value: object, *, low: float | None = None) -> float:
     """``value`` as a float, or a ``TypeError``/``ValueError`` naming ``where`` and ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

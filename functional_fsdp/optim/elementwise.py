@@ -27,6 +27,7 @@ from ._tree import (
     check_unit_interval,
     leaves_like,
     local_leaves,
+    require_params,
     zeros_like_tree,
 )
 from .clipping import leaf_norms
@@ -259,10 +260,7 @@ def scale_by_trust_ratio(
     def update(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        if params is None:
-            raise ValueError(
-                "scale_by_trust_ratio needs the params: call opt.update(grads, state, params)."
-            )
+        require_params("scale_by_trust_ratio", params)
         u, treedef = local_leaves(updates)
         leaves_like("scale_by_trust_ratio", "params", params, updates, SAME_PARAMS_HINT)
         n = len(u)

@@ -34,7 +34,7 @@ from ..distributed import process
 from ..distributed.mesh import coordinate_of
 from ..distributed.simulate import is_simulated
 from ..sharded import Sharded, unpad
-from ._tree import check_dtype, check_real
+from ._tree import check_dtype, check_real, require_params
 from .clipping import _padded_dims, _real_part, leaf_norms
 from .elementwise import ema
 from .schedules import Schedule
@@ -152,10 +152,7 @@ def scale_by_factored_rms(
     def update(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        if params is None:
-            raise ValueError(
-                "scale_by_factored_rms needs the params: call opt.update(grads, state, params)."
-            )
+        require_params("scale_by_factored_rms", params)
         leaves, treedef = optree.tree_flatten(updates)
         rows = treedef.flatten_up_to(state.v_row)
         cols = treedef.flatten_up_to(state.v_col)
@@ -248,10 +245,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     def update(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:
-        if params is None:
-            raise ValueError(
-                "scale_by_param_block_rms needs the params: call opt.update(grads, state, params)."
-            )
+        require_params("scale_by_param_block_rms", params)
         leaves, treedef = optree.tree_flatten(updates)
         p_leaves = treedef.flatten_up_to(params)
         rms = _rms(leaf_norms(params), p_leaves)

@@ -54,6 +54,7 @@ from ._tree import (
     local_leaves,
     map_foreach,
     mismatch_error,
+    require_params,
     zeros_like_tree,
 )
 from .schedules import Schedule
@@ -719,11 +720,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Gradie
         donate: bool = False,
         **extra: Any,
     ) -> tuple[Updates, OptState]:
-        if params is None:
-            raise ValueError(
-                "add_decayed_weights needs the params: call "
-                "opt.update(grads, state, params) instead of opt.update(grads, state)."
-            )
+        require_params("add_decayed_weights", params)
         p = leaves_like("add_decayed_weights", "params", params, updates, SAME_PARAMS_HINT)
         if weight_decay == 0.0 or not p:
             return updates, state
