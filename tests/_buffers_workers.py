@@ -26,6 +26,21 @@ def _resnet() -> torch.nn.Module:
     return ResNetForImageClassification(cfg)  # training mode
 
 
+def _mobilenet_v2() -> torch.nn.Module:
+    """A tiny MobileNetV2 (BatchNorm eps 1e-3 and momentum 0.997, as transformers builds it;
+    its last layers see 1×1 maps, so a few values per channel per rank)."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    cfg = MobileNetV2Config(
+        image_size=32, depth_multiplier=0.25, min_depth=4, num_labels=4, classifier_dropout_prob=0.0
+    )
+    torch.manual_seed(0)
+    return MobileNetV2ForImageClassification(cfg)
+
+
+MODELS = {"resnet": _resnet, "mobilenet_v2": _mobilenet_v2}
+
+
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(10 + step))
 
@@ -143,10 +158,16 @@ def per_rank_matches_ddp() -> dict[str, Any]:
     return {**errors, "spread": spread}
 
 
-def _step_setup(mode: str, accumulate: int) -> tuple[Any, ...]:
-    model = _resnet()
+def _step_setup(
+    mode: str,
+    accumulate: int,
+    name: str = "resnet",
+    dtype: torch.dtype = torch.float32,
+    lr: float = LR,
+) -> tuple[Any, ...]:
+    model = MODELS[name]().to(dtype)
     sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
-    opt = ff.sgd(LR)
+    opt = ff.sgd(lr)
 
     def loss_fn(params: Any, x: torch.Tensor, bufs: Any) -> Any:
         out, new = sm.apply(params, pixel_values=x, buffers=bufs, mutable=mode)
@@ -157,20 +178,23 @@ def _step_setup(mode: str, accumulate: int) -> tuple[Any, ...]:
     return model, sm, step, state
 
 
-def _global(step: int) -> torch.Tensor:
-    return torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(20 + step))
+def _global(step: int, name: str = "resnet") -> torch.Tensor:
+    size = 32 if name == "mobilenet_v2" else 16
+    return torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(20 + step))
 
 
-def train_step_sync_matches_one_process(accumulate: int) -> dict[str, Any]:
+def train_step_sync_matches_one_process(
+    accumulate: int, name: str = "resnet", dtype: torch.dtype = torch.float32, lr: float = LR
+) -> dict[str, Any]:
     """train_step with the buffers in the state, mutable='sync', ``accumulate`` micro-batches
     threaded in order: parameters and buffers after STEPS steps against one process that runs
-    each global micro-batch (micro-batch i of every rank's share) in turn."""
-    model, _, step, state = _step_setup("sync", accumulate)
+    each global micro-batch (micro-batch i of every rank's share) in turn, in ``dtype``."""
+    model, _, step, state = _step_setup("sync", accumulate, name, dtype, lr)
     ref = copy.deepcopy(model)
     before = {k: b.clone() for k, b in model.named_buffers()}
     world = dist.get_world_size()
     for i in range(STEPS):
-        x = _global(i)
+        x = _global(i, name).to(dtype)
         state, _ = step(state, x)
         ref.zero_grad()
         shares = x.chunk(world)
@@ -179,14 +203,43 @@ def train_step_sync_matches_one_process(accumulate: int) -> dict[str, Any]:
             (ref(pixel_values=mb).logits.square().mean() / accumulate).backward()
         with torch.no_grad():
             for p in ref.parameters():
-                p -= LR * p.grad
+                p -= lr * p.grad
     params = ff.gather(state.params)
+    tracked = [v for k, v in state.buffers.items() if k.endswith("num_batches_tracked")]
     return {
         "params": _err(params, {k: p.detach() for k, p in ref.named_parameters()}),
         "buffers": _err(state.buffers, dict(ref.named_buffers())),
-        "tracked": int(state.buffers["resnet.embedder.embedder.normalization.num_batches_tracked"]),
+        "tracked": {int(t) for t in tracked},
         "unchanged": _err(dict(model.named_buffers()), before),
     }
+
+
+def first_gradients_against_float64(name: str) -> dict[str, float]:
+    """One sync step's gradients in float32, this library's and one process's, each as far
+    from one process's float64 gradients (relative, over all parameters): how much of a
+    float32 difference is the network's own conditioning rather than the algorithm."""
+    model = MODELS[name]()
+    sm = ff.fsdp(model, ff.make_mesh({"dp": dist.get_world_size()}))
+    bufs = dict(model.named_buffers())
+    x = _global(0, name)
+
+    def loss_fn(params: Any, share: torch.Tensor) -> torch.Tensor:
+        out, _ = sm.apply(params, pixel_values=share, buffers=bufs, mutable="sync")
+        return out.logits.square().mean()
+
+    ours = ff.gather(torch.func.grad(loss_fn)(sm.shard(), ff.local_batch(x, sm)))
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        ref = copy.deepcopy(model).to(dtype)
+        ref(pixel_values=x.to(dtype)).logits.square().mean().backward()
+        grads[dtype] = {k: p.grad.double() for k, p in ref.named_parameters()}
+    exact = grads[torch.float64]
+
+    def rel(g: dict[str, torch.Tensor]) -> float:
+        diff = sum((g[k].double() - exact[k]).square().sum() for k in exact)
+        return float((diff / sum(v.square().sum() for v in exact.values())).sqrt())
+
+    return {"ours": rel(ours), "one_process": rel(grads[torch.float32])}
 
 
 def checkpoint_resume(path: str) -> dict[str, Any]:
@@ -214,3 +267,71 @@ def dcp_keys(path: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
 
     return list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+SHIFTS = (0.0, 1e2, 1e3, 1e4)
+
+
+def _bn_net(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.BatchNorm1d(6), torch.nn.Flatten(), torch.nn.Linear(18, 3)
+    )  # BatchNorm over dims 0 and 2 of (N, C, L) inputs
+    return net.to(dtype)
+
+
+def sync_statistics_at_shifts(axes: dict[str, int]) -> dict[str, dict[str, tuple[float, ...]]]:
+    """mutable='sync' on inputs whose mean is far from zero (std 1, mean at each of SHIFTS),
+    in float32 and bfloat16, under torch.func and plain autograd: this rank's outputs, the
+    gradients and the running statistics, each as far from one float64 process on the
+    global batch as one process in the same dtype is. Returns, for each case, ``(ours,
+    one process, scale)`` per quantity: the two distances and the largest exact value."""
+    mesh = ff.make_mesh(axes)
+    out: dict[str, dict[str, tuple[float, ...]]] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for shift in SHIFTS:
+            gen = torch.Generator().manual_seed(int(shift) + 1)
+            x = (shift + torch.randn(32, 6, 3, generator=gen)).to(dtype)  # the global batch
+            refs = {}
+            for ref_dtype in (dtype, torch.float64):  # one process: same dtype, and exact
+                ref = _bn_net(dtype).to(ref_dtype)
+                y = ref(x.to(ref_dtype))
+                y.square().mean().backward()
+                refs[ref_dtype] = (
+                    ff.local_batch(y.detach(), mesh).double(),
+                    {k: p.grad.double() for k, p in ref.named_parameters()},
+                    {k: b.double() for k, b in ref.named_buffers() if "running" in k},
+                )
+            for engine in ("func", "autograd"):
+                model = _bn_net(dtype)
+                sm = ff.fsdp(model, mesh)
+                bufs = dict(model.named_buffers())
+
+                def loss_fn(params: Any, share: torch.Tensor) -> Any:
+                    y, new = sm.apply(params, share, buffers=bufs, mutable="sync")
+                    return y.square().mean(), (y, new)
+
+                args = (sm.shard(), ff.local_batch(x, sm))
+                if engine == "func":
+                    grads, (_, (y, new)) = torch.func.grad_and_value(loss_fn, has_aux=True)(*args)
+                else:
+                    grads, (_, (y, new)) = autograd_grad_and_value(loss_fn, *args, has_aux=True)
+                ours = (
+                    y.detach().double(),
+                    {k: v.double() for k, v in ff.gather(grads).items()},
+                    {k: new[k].double() for k in refs[dtype][2]},
+                )
+                case: dict[str, tuple[float, ...]] = {}
+                for i, what in enumerate(("outputs", "grads", "statistics")):
+                    exact = refs[torch.float64][i]
+                    if isinstance(exact, torch.Tensor):
+                        a, b, e = {"": ours[i]}, {"": refs[dtype][i]}, {"": exact}
+                    else:
+                        a, b, e = ours[i], refs[dtype][i], exact
+                    case[what] = (
+                        max((a[k] - e[k]).abs().max().item() for k in e),
+                        max((b[k] - e[k]).abs().max().item() for k in e),
+                        max(e[k].abs().max().item() for k in e),
+                    )
+                out[f"{str(dtype).removeprefix('torch.')} {shift:g} {engine}"] = case
+    return out

@@ -8,11 +8,15 @@ the caller's module and tensors are never written. Two modes:
   kernel), and the new buffers are data rank 0's, on every rank: torch DDP's behaviour with its
   default ``broadcast_buffers=True``, which broadcasts rank 0's buffers before each forward.
 * ``"sync"``: SyncBatchNorm's. A BatchNorm layer in training mode normalises with the mean and
-  (biased) variance of the global batch, from one all-reduce of the per-channel sum, sum of
-  squares and count over the data axes; its running statistics are updated with the global
-  mean and unbiased variance, as one process on the global batch updates them. The gradient
-  flows through the statistics to every rank's inputs (the all-reduce's backward sums the
-  incoming gradients, as SyncBatchNorm's does).
+  (biased) variance of the global batch; its running statistics are updated with the global
+  mean and unbiased variance, as one process on the global batch updates them. Each rank
+  computes its share's count, mean and sum of squared deviations from that mean (two passes,
+  so a large mean cancels nothing), one all-gather per data axis brings every rank's three,
+  and Chan's parallel formula combines them (torch's SyncBatchNorm combines per-rank means
+  and variances the same way). The global sum of squares minus the squared mean, the one-pass
+  formula, would lose every digit of the variance to a mean far from zero in float32. The
+  gradient flows through the statistics to every rank's inputs (the all-gather's backward, a
+  reduce-scatter, sums the incoming gradients, as SyncBatchNorm's does).
 """
 
 from __future__ import annotations
@@ -108,21 +112,11 @@ def sync_batch_norm(
 ) -> torch.Tensor:
     """BatchNorm in training mode over the global batch of the data axes; the module copy's
     running statistics are replaced (not written) by their updated values."""
-    dims = [0, *range(2, x.ndim)]
-    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    xw = x.to(wide)
-    count = torch.full((1,), x.numel() // x.shape[1], dtype=wide, device=x.device)
-    stats = torch.cat([xw.sum(dims), (xw * xw).sum(dims), count])
-    if axes:
-        # Forward: the sums over the data axes; backward: the incoming gradients summed over
-        # them too, since every rank's loss depends on every rank's inputs through the sums.
-        stats = C.all_reduce(C.all_reduce_grad(stats, mesh, axes), mesh, axes)
     c = x.shape[1]
-    n = stats[-1]
-    mean = stats[:c] / n
-    var = (stats[c : 2 * c] / n - mean * mean).clamp_min(0)
     shape = [1, c] + [1] * (x.ndim - 2)
-    y = (xw - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
+    mean, var, n = global_moments(x, mesh, axes)
+    wide = mean.dtype
+    y = (x.to(wide) - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
     if module.weight is not None:
         y = y * module.weight.to(wide).view(shape) + module.bias.to(wide).view(shape)  # type: ignore[union-attr]
     with torch.no_grad():
@@ -140,3 +134,53 @@ def sync_batch_norm(
         module._buffers["running_mean"] = (1 - factor) * rm + factor * mean.detach().to(rm.dtype)  # type: ignore[operator]
         module._buffers["running_var"] = (1 - factor) * rv + factor * unbiased.to(rv.dtype)  # type: ignore[operator]
     return y.to(x.dtype)
+
+
+def global_moments(
+    x: torch.Tensor, mesh: DeviceMesh, axes: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-channel (dim 1) mean and biased variance of ``x`` over the global batch of the
+    data ``axes``, and its count: float32 for half-precision inputs, else ``x``'s dtype.
+
+    Each rank's count ``n``, mean ``m`` and sum of squared deviations ``M2`` (two passes over
+    its share) are all-gathered over each axis, then combined by Chan's formula:
+    ``mean = Σ n·m / N`` and ``M2 = Σ M2 + Σ n·(m - mean)²``. Every term is a deviation, so
+    the variance keeps its digits however far the mean is from zero; and every sum is of
+    small deviations from a reference value (a rank's mean from its first item, the global
+    mean from the largest share's mean), so the mean is rounded once, as a float64
+    accumulator rounded to float32 would give it.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> x = 1e4 + torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh:
+        ...     share = ff.shard(x, mesh, ff.P("dp")).local
+        ...     mean, var, n = global_moments(share, mesh, ("dp",))
+        ...     got = ff.rank_values(var)[1]
+        >>> want = x.double().var(0, unbiased=False)
+        >>> bool(((got - want).abs() / want).max() < 1e-3), ff.rank_values(n)[0].item()
+        (True, 64.0)
+    """
+    dims = [0, *range(2, x.ndim)]
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    xw = x.to(wide)
+    c = x.shape[1]
+    shape = [1, c] + [1] * (x.ndim - 2)
+    count = x.numel() // c
+    n = torch.full((c,), float(count), dtype=wide, device=x.device)
+    # The share's first item per channel (0 for an empty share, whose m = 0 is weighted by
+    # n = 0 below); detached, it shifts the sum without changing any derivative.
+    first = xw.detach().reshape(x.shape[0], c, -1)[0, :, 0] if count else torch.zeros_like(n)
+    m = first + (xw - first.view(shape)).sum(dims) / max(count, 1)
+    m2 = (xw - m.view(shape)).square().sum(dims)
+    moments = torch.stack([n, m, m2]).unsqueeze(0)  # [1, 3, C]: this rank's
+    for axis in axes:  # [ranks, 3, C]; backward: the incoming gradients summed over the ranks
+        moments = C.all_gather(moments, mesh, axis)
+    n, m, m2 = moments.unbind(1)
+    total = n.sum(0)
+    base = m.detach().gather(0, n.argmax(0, keepdim=True))[0]  # the largest share's mean
+    delta = m - base
+    shift = (n * delta).sum(0) / total
+    mean = base + shift
+    var = (m2.sum(0) + (n * (delta - shift).square()).sum(0)) / total
+    return mean, var, total[0]
