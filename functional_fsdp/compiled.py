@@ -564,6 +564,17 @@ def _user_line(stack: str) -> str:
     return frames[-1] if frames else "an unknown place"
 
 
+def _innermost_outside_torch(stack: str) -> str | None:
+    """The innermost frame of ``stack`` outside torch: the line that read the value."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
+    for frame in reversed(frames):
+        path = frame.split('"')[1] if '"' in frame else ""
+        if not path.startswith(torch_dir):
+            return frame
+    return None
+
+
 def _frames(error: BaseException) -> Iterator[str]:
     for frame in traceback.extract_tb(error.__traceback__):
         yield f'File "{frame.filename}", line {frame.lineno}, in {frame.name}'
@@ -579,7 +590,11 @@ def _trace_error(error: Exception) -> Exception:
     )
     if not data_dependent:
         return error
-    where = _user_line("\n".join(_frames(error)))
+    stack = "\n".join(_frames(error))
+    where = _user_line(stack)
+    reader = _innermost_outside_torch(stack)
+    if reader is not None and reader != where:  # read inside the library, reached from there
+        where = f"{reader}, reached from {where}"
     return TraceError(
         f"ff.jit: the function reads a tensor's value in Python at {where} (.item(), int(t), "
         f"float(t), `if t:` or printing a tensor). A traced step has no values, only shapes, "

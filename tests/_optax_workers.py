@@ -81,28 +81,84 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
     "multi_steps_sum_schedule": lambda: wrappers.MultiSteps(
         ff.sgd(0.1, 0.9), lambda step: 2 if step < 2 else 3, use_grad_mean=False
     ),
+    # apply_if_finite inside each wrapper that forwards keyword arguments: its decision must
+    # come from the updates it receives, whatever train_step's finite= says of the step's.
+    "multi_steps_apply_if_finite": lambda: wrappers.MultiSteps(
+        ff.apply_if_finite(ff.sgd(0.1), 3), 2
+    ).gradient_transformation(),
+    "chain_clip_apply_if_finite": lambda: ff.chain(
+        ff.clip_by_global_norm(1.0), ff.apply_if_finite(ff.adam(1e-2), 2)
+    ),
+    "masked_apply_if_finite": lambda: ff.chain(
+        ff.masked(ff.apply_if_finite(ff.sgd(0.1), 2), decay_matrices), elementwise.zero_nans()
+    ),
+    "multi_transform_apply_if_finite": lambda: wrappers.multi_transform(
+        {
+            "adam": ff.apply_if_finite(ff.adam(1e-2), 2),
+            "sgd": ff.chain(elementwise.zero_nans(), ff.sgd(0.1)),
+        },
+        labels,
+    ),
+    "apply_if_finite_inject_hyperparams": lambda: ff.apply_if_finite(
+        wrappers.inject_hyperparams(ff.adamw)(
+            learning_rate=fs.warmup_cosine_decay_schedule(**SCHEDULE), weight_decay=0.01
+        ),
+        2,
+    ),
+    "inject_hyperparams_apply_if_finite": lambda: wrappers.inject_hyperparams(
+        lambda learning_rate: ff.apply_if_finite(ff.sgd(learning_rate), 2)
+    )(learning_rate=fs.warmup_cosine_decay_schedule(**SCHEDULE)),
+}
+
+# Where each case's gradients are not finite: {step: [(leaf, index, value)]}.
+BAD = {
+    "apply_if_finite": {2: [("w", (0, 0), 1e20)], 5: [("c", (1, 1), float("nan"))]},
+    # a NaN on the first micro-step of a round (the case train_step's flag missed), then on
+    # the last, and an inf that overflows nothing else
+    "multi_steps_apply_if_finite": {
+        4: [("w", (2, 1), float("nan"))],
+        7: [("c", (1, 1), float("inf"))],
+    },
+    "chain_clip_apply_if_finite": {3: [("r", (0, 4), float("nan"))]},
+    # a NaN outside the mask (zeroed after it) must not skip the masked leaves' step; one
+    # inside must
+    "masked_apply_if_finite": {3: [("v", (1,), float("nan"))], 6: [("w", (3, 0), float("nan"))]},
+    # a NaN in the sgd group (zeroed there) must not skip the adam group; one in it must
+    "multi_transform_apply_if_finite": {
+        2: [("v", (0,), float("nan"))],
+        5: [("c", (2, 6), float("nan"))],
+    },
+    "apply_if_finite_inject_hyperparams": {1: [("w", (0, 0), float("nan"))]},
+    "inject_hyperparams_apply_if_finite": {4: [("b", (0,), float("inf"))]},
 }
 
 
 def case_grads(name: str) -> list[dict[str, torch.Tensor]]:
     if name == "zero_nans":
         return grads(nan_at=4)
-    if name == "apply_if_finite":  # a huge finite step (applied), then NaN steps (skipped)
-        out = grads()
-        out[2]["w"][0, 0] = 1e20
-        out[5]["c"][1, 1] = float("nan")
-        return out
-    return grads()
+    out = grads()
+    for i, bad in BAD.get(name, {}).items():
+        for leaf, index, value in bad:
+            out[i][leaf][index] = value
+    return out
 
 
-def run(name: str, p: Any, steps: list[Any]) -> Any:
-    return run_opt(CASES[name](), p, steps)
+def run(name: str, p: Any, steps: list[Any], *, extras: bool = False) -> Any:
+    return run_opt(CASES[name](), p, steps, extras=extras)
 
 
-def run_opt(opt: ff.GradientTransformation, p: Any, steps: list[Any]) -> Any:
+def run_opt(
+    opt: ff.GradientTransformation, p: Any, steps: list[Any], *, extras: bool = False
+) -> Any:
+    """``opt`` over ``steps`` from ``p``. With ``extras``, each update also gets the keyword
+    arguments train_step passes: the gradients' global norm and per-element finiteness."""
     state = opt.init(p)
     for g in steps:
-        updates, state = opt.update(g, state, p)
+        kwargs = {}
+        if extras:
+            norm, finite = global_norm_and_finite(g)
+            kwargs = dict(grad_norm=norm, finite=finite)
+        updates, state = opt.update(g, state, p, **kwargs)
         p = ff.apply_updates(p, updates)
     return p
 
@@ -114,7 +170,9 @@ def on_two_ranks(names: list[str]) -> dict[str, Any]:
     for name in names:
         p = ff.shard(params(), mesh, SPECS)
         steps = [ff.shard(g, mesh, SPECS) for g in case_grads(name)]
-        out[name] = {k: v.clone() for k, v in ff.gather(run(name, p, steps)).items()}
+        for extras in (False, True):
+            got = ff.gather(run(name, p, steps, extras=extras))
+            out[name, extras] = {k: v.clone() for k, v in got.items()}
     # A 1e20 on rank 0's block, NaN on rank 1's: each rank's count reaches the other.
     rank = torch.distributed.get_rank()
     big = {k: torch.ones(v.shape) for k, v in params().items()}

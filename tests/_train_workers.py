@@ -179,3 +179,59 @@ def clip_norm_once(names: list[str], steps: int = 3) -> dict[str, dict]:
             "bitwise": l1 == l2 and all(torch.equal(p1[k], p2[k]) for k in p1),
         }
     return out
+
+
+NAN_STEP = 2  # the first micro-step of MultiSteps' second round (the case a flag missed)
+NAN_STRATEGIES = [
+    "ddp",
+    "zero1_accumulate",
+    "zero2_accumulate_donate",
+    "zero3_accumulate_local",
+    "zero3_accumulate_each",
+]
+
+
+def nan_batches(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches with a per-example loss weight: ones, but the last example's is NaN at
+    ``NAN_STEP`` (it lives on the last rank, in its last micro-batch)."""
+    out = []
+    for i, b in enumerate(batches(steps)):
+        weight = torch.ones(b.shape[0])
+        if i == NAN_STEP:
+            weight[-1] = float("nan")
+        out.append((b, weight))
+    return out
+
+
+def weighted_lm_loss(logits: torch.Tensor, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return lm_loss(logits, b[0][:, 1:]) * b[1].mean()
+
+
+def multi_steps_apply_if_finite() -> ff.GradientTransformation:
+    return ff.MultiSteps(ff.apply_if_finite(ff.sgd(0.5), 3), 2).gradient_transformation()
+
+
+def nan_micro_step(names: list[str]) -> dict[str, dict]:
+    """Per strategy, ``MultiSteps(apply_if_finite(sgd), 2)`` under train_step over
+    :func:`nan_batches`: the gathered parameters and each step's finite/skipped metrics."""
+    out = {}
+    for name in names:
+        axes, fsdp_kwargs, step_kwargs = STRATEGIES[name]
+        step_kwargs = dict(step_kwargs)
+        opt_specs = step_kwargs.pop("opt_specs", None)
+        torch.manual_seed(0)
+        f = ff.fsdp(GPT(CFG), ff.make_mesh(axes), **fsdp_kwargs)
+        opt = multi_steps_apply_if_finite()
+        step = ff.train_step(
+            lambda p, b, f=f: weighted_lm_loss(f.apply(p, b[0][:, :-1]), b),
+            opt,
+            model=f,
+            **step_kwargs,
+        )
+        state = ff.TrainState.create(f.shard(), opt, opt_specs=opt_specs)
+        flags = []
+        for b in nan_batches():
+            state, metrics = step(state, b)
+            flags.append((bool(metrics["finite"]), bool(metrics["skipped"])))
+        out[name] = {"params": ff.gather(dict(state.params)), "flags": flags}
+    return out

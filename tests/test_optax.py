@@ -63,6 +63,28 @@ OPTAX = {
     "multi_steps_sum_schedule": lambda: optax.MultiSteps(
         optax.sgd(0.1, 0.9), lambda step: jnp.where(step < 2, 2, 3), use_grad_mean=False
     ),
+    "multi_steps_apply_if_finite": lambda: optax.MultiSteps(
+        optax.apply_if_finite(optax.sgd(0.1), 3), 2
+    ),
+    "chain_clip_apply_if_finite": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.apply_if_finite(optax.adam(1e-2), 2)
+    ),
+    "masked_apply_if_finite": lambda: optax.chain(
+        optax.masked(optax.apply_if_finite(optax.sgd(0.1), 2), _decay), optax.zero_nans()
+    ),
+    "multi_transform_apply_if_finite": lambda: optax.multi_transform(
+        {
+            "adam": optax.apply_if_finite(optax.adam(1e-2), 2),
+            "sgd": optax.chain(optax.zero_nans(), optax.sgd(0.1)),
+        },
+        _labels,
+    ),
+    "apply_if_finite_inject_hyperparams": lambda: optax.apply_if_finite(
+        optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.01), 2
+    ),
+    "inject_hyperparams_apply_if_finite": lambda: optax.inject_hyperparams(
+        lambda learning_rate: optax.apply_if_finite(optax.sgd(learning_rate), 2)
+    )(learning_rate=SCHEDULE),
 }
 assert set(OPTAX) == set(W.CASES)
 
@@ -95,22 +117,28 @@ def _assert_close(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], n
         assert not torch.equal(ref[k], start[k]), (name, k)  # the reference moved
 
 
+@pytest.mark.parametrize("extras", [False, True], ids=["plain", "train_step_kwargs"])
 @pytest.mark.parametrize("name", list(W.CASES))
-def test_matches_optax_on_one_process(name: str) -> None:
-    ours = W.run(name, W.params(), W.case_grads(name))
+def test_matches_optax_on_one_process(name: str, extras: bool) -> None:
+    """Each case as optax runs it, and with the keyword arguments train_step passes
+    (``grad_norm=``, ``finite=`` of the step's gradients): the numbers are optax's either way,
+    whatever wrapper stands between the step and an ``apply_if_finite``."""
+    ours = W.run(name, W.params(), W.case_grads(name), extras=extras)
     _assert_close(ours, _optax_run(name), name)
 
 
 @pytest.mark.multiprocess
 def test_matches_optax_on_two_ranks_with_sharded_leaves(pools: Any) -> None:
     """Every case on 2 gloo ranks, leaves split unevenly by rows and by columns: the global
-    norm (clipping) spans both ranks' blocks; masks and labels see the global shapes."""
+    norm (clipping) spans both ranks' blocks; masks and labels see the global shapes. Each
+    with and without train_step's keyword arguments."""
     names = list(W.CASES)
     results = pools.run(2, W.on_two_ranks, names)
     for name in names:
         ref = _optax_run(name)
         for r in results:
-            _assert_close(r[name], ref, name)
+            for extras in (False, True):
+                _assert_close(r[name, extras], ref, f"{name} extras={extras}")
     for r in results:
         # 1e20 overflows the float32 norm but is finite: optax applies such a step.
         assert r["huge_finite"] == [math.inf, True]
@@ -272,10 +300,167 @@ def test_bad_arguments_say_how_to_fix() -> None:
     with pytest.raises(ValueError, match=r"every_k_schedule must be an int >= 1"):
         ff.MultiSteps(ff.sgd(0.1), 0)
     guarded = ff.apply_if_finite(ff.MultiSteps(ff.sgd(0.1), 2).gradient_transformation(), 1)
-    with pytest.raises(TypeError, match=r"put apply_if_finite inside instead"):
+    with pytest.raises(
+        TypeError, match=r"apply_if_finite around MultiSteps \(put it inside.*ff.jit, which traces"
+    ):
         guarded.update(p, guarded.init(p), p)
     with pytest.raises(ValueError, match=r"scale_by_trust_ratio needs the params"):
         ff.scale_by_trust_ratio().update(p, ff.EmptyState())
     with pytest.raises(ValueError, match=r"scale_by_factored_rms needs the params"):
         t = ff.scale_by_factored_rms()
         t.update(p, t.init(p))
+
+
+def _optax_on_gpt_gradients() -> dict[str, torch.Tensor]:
+    """optax's ``MultiSteps(apply_if_finite(sgd), 2)`` on one process's full-batch GPT
+    gradients over the batches of :func:`T.nan_batches` (a NaN on a first micro-step)."""
+    from functional_fsdp.models import GPT
+
+    from . import _train_workers as T
+
+    torch.manual_seed(0)
+    model = GPT(T.CFG)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = optax.MultiSteps(optax.apply_if_finite(optax.sgd(0.5), 3), 2)
+    jp = _jax(params)
+    state = opt.init(jp)
+    for b in T.nan_batches():
+        grads = torch.func.grad(
+            lambda p: T.weighted_lm_loss(torch.func.functional_call(model, p, (b[0][:, :-1],)), b)
+        )(params)
+        updates, state = opt.update(_jax(grads), state, jp)
+        jp = optax.apply_updates(jp, updates)
+        params = {k: torch.from_numpy(np.asarray(v).copy()) for k, v in jp.items()}
+    return params
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_train_step_skips_a_nan_micro_step_of_multi_steps_as_optax(pools: Any, ranks: int) -> None:
+    """``MultiSteps(apply_if_finite(sgd), 2)`` under train_step, a NaN gradient on the first
+    micro-step of a round: the round's update is skipped, as optax skips it, on every
+    strategy and in both accumulation modes (2 ranks), and HSDP 2×2 (4 ranks)."""
+    from . import _train_workers as T
+
+    names = T.NAN_STRATEGIES if ranks == 2 else ["hsdp"]
+    got = pools.run(ranks, T.nan_micro_step, names)[0]
+    ref = _optax_on_gpt_gradients()
+    start = T.reference_trajectory(0)[1]
+    for name, r in got.items():
+        # The step's own flag says step 2 was not finite; the round it ends (step 3) skips.
+        assert r["flags"] == [(True, False), (True, False), (False, False), (True, True)], name
+        for k in ref:
+            torch.testing.assert_close(r["params"][k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert any(not torch.equal(ref[k], start[k]) for k in ref)  # round 1 was applied
+
+
+def test_master_weights_pass_finite_on_only_through_an_exact_cast() -> None:
+    """fp32 gradients cast to fp16 masters: a finite 1e5 becomes inf, so the step's
+    ``finite=True`` no longer describes what the inner ``apply_if_finite`` receives; it
+    decides from the cast gradients, as optax does on them. Through an exact cast (bf16
+    gradients, fp32 masters) the flag is passed on and trusted (it also covers the loss)."""
+    g = {"w": torch.tensor([1e5, 1.0, 1.0])}
+    narrowing = ff.master_weights(
+        ff.apply_if_finite(ff.sgd(0.1), 2), param_dtype=torch.float32, master_dtype=torch.float16
+    )
+    p = {"w": torch.ones(3)}
+    updates, state = narrowing.update(g, narrowing.init(p), p, finite=torch.tensor(True))
+    ref = optax.apply_if_finite(optax.sgd(0.1), 2)
+    half = {"w": jnp.asarray(g["w"].numpy()).astype(jnp.float16)}
+    _, ref_state = ref.update(half, ref.init(half), half)
+    assert bool(state.inner.last_finite) == bool(ref_state.last_finite) is False
+    assert updates["w"].tolist() == [0.0, 0.0, 0.0]
+    exact = ff.master_weights(ff.apply_if_finite(ff.sgd(0.1), 2))
+    p16 = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    g16 = {"w": g["w"].to(torch.bfloat16)}
+    _, state = exact.update(g16, exact.init(p16), p16, finite=torch.tensor(False))
+    assert bool(state.inner.last_skipped)
+    _, state = exact.update(g16, exact.init(p16), p16, finite=torch.tensor(True))
+    assert not bool(state.inner.last_skipped)
+
+
+def test_tensor_counts_name_their_cause_and_fix() -> None:
+    """A scheduled hyperparameter an optimizer takes only as a number, under apply_if_finite's
+    tensor counts; MultiSteps whose counters are tensors; a changing Python number in an
+    inner state: each error says what made the tensors and what to do."""
+    p = {"w": torch.ones(2)}
+    g = {"w": torch.ones(2)}
+    b1 = fs.linear_schedule(0.8, 0.9, 10)
+    opt = ff.apply_if_finite(ff.inject_hyperparams(ff.adamw)(learning_rate=0.1, b1=b1), 2)
+    with pytest.raises(
+        TypeError,
+        match=r"schedules of \['b1'\] are evaluated on the device.*"
+        r"static_args=\('b1',\)",
+    ):
+        opt.update(g, opt.init(p), p)
+    jitted = ff.inject_hyperparams(ff.adamw)(learning_rate=0.1, weight_decay=0.01)
+    state = jitted.init(p)
+    traced = state._replace(  # what ff.jit makes of the state's numbers
+        count=torch.tensor(0),
+        hyperparams={k: torch.tensor(v) for k, v in state.hyperparams.items()},
+    )
+    with pytest.raises(TypeError, match=r"numbers \['weight_decay'\] are tensors \(ff.jit"):
+        jitted.update(g, traced, p)
+
+    def drifting_update(updates, state, params=None):
+        return updates, state + 0.5
+
+    drift = ff.apply_if_finite(ff.GradientTransformation(lambda params: 0.5, drifting_update), 1)
+    with pytest.raises(TypeError, match=r"as a 0-dim tensor"):
+        drift.update(g, drift.init(p), p)
+
+
+@pytest.mark.parametrize("guard", [False, True], ids=["inject", "apply_if_finite_inject"])
+def test_a_scheduled_rate_is_reported_and_traced(guard: bool) -> None:
+    """``inject_hyperparams`` with a scheduled rate: ``metrics["lr"]`` is the rate each step
+    applied (optax's ``hyperparams["learning_rate"]``), and ``ff.jit`` runs it (the count a
+    tensor, the rate computed in the graph) bitwise as the eager step, under apply_if_finite
+    too."""
+    sched = fs.warmup_cosine_decay_schedule(**W.SCHEDULE)
+
+    def make() -> ff.GradientTransformation:
+        opt = ff.inject_hyperparams(ff.adamw, static_args="weight_decay")(
+            learning_rate=sched, weight_decay=0.01
+        )
+        return ff.apply_if_finite(opt, 2) if guard else opt
+
+    runs = []
+    for jit in (False, True):
+        opt = make()
+        step = ff.train_step(lambda p, b: ((b @ p["w"]) ** 2).mean(), opt, batch="local")
+        step = ff.jit(step, backend="eager") if jit else step
+        state = ff.TrainState.create({"w": W.params()["w"]}, opt)
+        rates = []
+        for i in range(5):
+            state, metrics = step(
+                state, torch.randn(4, 7, generator=torch.Generator().manual_seed(i))
+            )
+            rates.append(float(metrics["lr"]))
+        runs.append((rates, state.params["w"]))
+    (eager_rates, eager_w), (jit_rates, jit_w) = runs
+    np.testing.assert_allclose(eager_rates, [sched(i) for i in range(5)], rtol=1e-12)
+    np.testing.assert_allclose(jit_rates, eager_rates, rtol=1e-12)
+    assert torch.equal(jit_w, eager_w)
+
+
+def test_a_scheduled_hyperparameter_state_resumes_from_a_checkpoint(tmp_path: Any) -> None:
+    """The state of ``apply_if_finite(inject_hyperparams(...))`` has one layout before and
+    after a step (a scheduled value is a tensor in both), so a checkpoint loads into a fresh
+    template and the next step is bitwise the uninterrupted one's."""
+    sched = fs.warmup_cosine_decay_schedule(**W.SCHEDULE)
+
+    def make() -> ff.GradientTransformation:
+        return ff.apply_if_finite(
+            ff.inject_hyperparams(ff.adamw)(learning_rate=sched, weight_decay=0.01), 2
+        )
+
+    step = ff.train_step(lambda p, b: ((b @ p["w"]) ** 2).mean(), make(), batch="local")
+    state = ff.TrainState.create({"w": W.params()["w"]}, make())
+    batches = [torch.randn(4, 7, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for b in batches[:3]:
+        state, _ = step(state, b)
+    ff.checkpoint.save(tmp_path / "ckpt", state)
+    template = ff.TrainState.create({"w": torch.zeros_like(W.params()["w"])}, make())
+    resumed = ff.checkpoint.load(tmp_path / "ckpt", template)
+    (a, ma), (b, mb) = step(state, batches[3]), step(resumed, batches[3])
+    assert torch.equal(a.params["w"], b.params["w"]) and float(ma["lr"]) == float(mb["lr"])

@@ -640,7 +640,11 @@ def test_bad_arguments_say_how_to_fix() -> None:
             TypeError,
             r"learning_rate must be a float or a schedule fn\(step\) -> float, got 'fast' \(str\)",
         ),
-        (lambda: fo.sgd(torch.tensor(0.1)), TypeError, r"For a tensor pass float\(lr\)"),
+        (
+            lambda: fo.sgd(torch.tensor([0.1])),
+            TypeError,
+            r"For a tensor pass a 0-dim floating one, or float\(lr\)",
+        ),
         (
             lambda: fo.sgd(-0.1),
             ValueError,

@@ -89,11 +89,17 @@ def _select(keep_new: torch.Tensor, new: Any, old: Any, in_place: bool) -> Any:
         elif n is o or (type(n) is type(o) and n == o):
             out.append(n)
         else:
+            fix = (
+                "Create the state with apply_if_finite(...).init(params), which makes step "
+                "counts tensors."
+                if isinstance(o, numbers.Integral)
+                else "Keep that number in the state as a 0-dim tensor (computed on the device "
+                "from the state's tensors), so that a skipped step can keep the old one."
+            )
             raise TypeError(
                 f"apply_if_finite: the inner optimizer state holds {o!r} "
                 f"({type(o).__name__}) at {_path(accessor)}, which changed to {n!r}; "
-                f"a skipped step could not keep it without reading a device value. Create the "
-                f"state with apply_if_finite(...).init(params), which makes step counts tensors."
+                f"a skipped step could not keep it without reading a device value. {fix}"
             )
     return optree.tree_unflatten(treedef, out)
 
@@ -129,7 +135,12 @@ def apply_if_finite(
     rank: it comes from :func:`~functional_fsdp.optim.clipping.global_norm_and_finite` of the
     updates (whose counts ride on the norm's all-reduces), or from the ``finite=`` that
     ``train_step`` passes (the global loss's finiteness and the same per-element count, taken
-    with the gradient norm it computes anyway, so no extra collective). It is a tensor, never read on the host: no sync, and traceable. The inner
+    with the gradient norm it computes anyway, so no extra collective). That flag describes
+    the step's gradients, so it reaches ``apply_if_finite`` only where they arrive unchanged
+    (outermost, first in a :func:`~functional_fsdp.chain`); inside
+    :class:`~functional_fsdp.MultiSteps`, :func:`~functional_fsdp.masked` or
+    :func:`~functional_fsdp.multi_transform` the decision is taken on the updates received
+    (the mean of a round's gradients, a subset), as optax takes it. It is a tensor, never read on the host: no sync, and traceable. The inner
     optimizer runs every step; its step counts are kept as 0-dim tensors, so a skipped step
     does not advance them. Under ``train_step(donate=True)`` the inner optimizer runs out of
     place (the size of its state in temporary memory) and the results are selected into the

@@ -69,11 +69,19 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     )
 
 
+def _float_dtypes(updates: Updates) -> set[torch.dtype]:
+    return {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
+
+
+def _exact_cast(updates: Updates, master_dtype: torch.dtype) -> bool:
+    """Whether casting ``updates`` to ``master_dtype`` keeps every value."""
+    return all(_widens(d, master_dtype) for d in _float_dtypes(updates))
+
+
 def _same_norm(updates: Updates, master_dtype: torch.dtype) -> bool:
     """Whether :func:`global_norm` of ``updates`` and of ``updates`` cast to ``master_dtype``
     are one number: the same values (an exact cast) summed in the same dtype."""
-    dtypes = {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
-    return all(_widens(d, master_dtype) for d in dtypes) and norm_dtype(dtypes) == norm_dtype(
+    return _exact_cast(updates, master_dtype) and norm_dtype(_float_dtypes(updates)) == norm_dtype(
         [master_dtype]
     )
 
@@ -150,8 +158,14 @@ def master_weights(
         # The inner optimizer gets the gradients cast to the master dtype. Their norm is
         # ``grad_norm`` when the cast is exact and the norm is computed in the same dtype
         # (bf16/fp16 gradients, fp32 masters): then it is passed on, and a clip inside costs
-        # no second all-reduce. Otherwise the inner optimizer computes its own.
-        extra = kwargs if _same_norm(updates, master_dtype) else without(kwargs)
+        # no second all-reduce. ``finite`` holds whenever the cast is exact (a narrowing cast
+        # can overflow a finite gradient). Otherwise the inner optimizer computes its own.
+        if _same_norm(updates, master_dtype):
+            extra = kwargs
+        elif _exact_cast(updates, master_dtype):
+            extra = without(kwargs, ("grad_norm",))
+        else:
+            extra = without(kwargs)
         inner_updates, inner = call_update(optimizer, grads, state.inner, state.master, extra)
         m, treedef = local_leaves(state.master)
         new_master = optree.tree_unflatten(

@@ -131,7 +131,14 @@ class GradientTransformationExtraArgs(GradientTransformation):
       uses it instead of another all-reduce. It describes the updates a transformation
       receives, so :func:`chain` gives it to its first member only.
     * ``finite``: whether this step's loss and every gradient element are finite, the same
-      on every rank (read by :func:`~functional_fsdp.apply_if_finite`).
+      on every rank (read by :func:`~functional_fsdp.apply_if_finite`). It too describes the
+      updates as given, so it reaches only a transformation that receives them unchanged:
+      :func:`chain`'s first member, the inner optimizer of
+      :func:`~functional_fsdp.apply_if_finite` and :func:`inject_hyperparams`, and that of
+      :func:`~functional_fsdp.master_weights` when the cast is exact. :func:`masked`,
+      :func:`~functional_fsdp.multi_transform` and :class:`~functional_fsdp.MultiSteps` (whose
+      inner optimizer receives the mean of several steps' gradients) drop it, and an
+      ``apply_if_finite`` there decides from the updates it receives, as optax's does.
 
     Example:
         >>> import torch
@@ -146,8 +153,10 @@ class GradientTransformationExtraArgs(GradientTransformation):
 
 
 # Keyword arguments that describe the updates a transformation receives: valid for a
-# chain's first member only (the others receive what earlier members made of them).
-ABOUT_UPDATES = ("grad_norm",)
+# chain's first member only (the others receive what earlier members made of them), and
+# dropped by every wrapper whose inner transformation receives other updates (a masked
+# subset, MultiSteps' mean of several steps, an inexact cast to master weights).
+ABOUT_UPDATES = ("grad_norm", "finite")
 
 
 def call_update(
@@ -448,7 +457,9 @@ def scale_by_learning_rate(
     float64 tensor on the count's device for a tensor count (nothing read back to the host).
 
     Args:
-        learning_rate: a non-negative float, or a schedule ``fn(step) -> float``.
+        learning_rate: a non-negative float, a schedule ``fn(step) -> float``, or a 0-dim
+            floating tensor (what :func:`~functional_fsdp.inject_hyperparams` passes under a
+            tensor step count), used as it is: checking it would read it back to the host.
         flip_sign: negate, so that :func:`apply_updates` descends (the default).
 
     Raises:
@@ -483,11 +494,30 @@ def scale_by_learning_rate(
             return new, ScaleByLearningRateState(state.count + 1, _record(rate, state.count))
 
         return GradientTransformationExtraArgs(init, update)
+    if isinstance(learning_rate, torch.Tensor) and _scalar_float(learning_rate):
+        # A rate already on the device (inject_hyperparams under a tensor count): used as it
+        # is, unchecked, since checking it would read it back to the host.
+        rate = learning_rate
+
+        def update_tensor(
+            updates: Updates,
+            state: OptState,
+            params: Params | None = None,
+            *,
+            donate: bool = False,
+            **extra: Any,
+        ) -> tuple[Updates, OptState]:
+            new = map_foreach(torch._foreach_mul, updates, sign * rate, donate=donate)
+            return new, ConstantLearningRateState(rate)
+
+        return GradientTransformationExtraArgs(
+            lambda params: ConstantLearningRateState(rate), update_tensor
+        )
     if isinstance(learning_rate, torch.Tensor) or not isinstance(learning_rate, numbers.Real):
         raise TypeError(
             f"{where}: learning_rate must be a float or a schedule fn(step) -> float, got "
-            f"{learning_rate!r} ({type(learning_rate).__name__}). For a tensor pass "
-            f"float(lr); for a changing rate pass a schedule such as "
+            f"{learning_rate!r} ({type(learning_rate).__name__}). For a tensor pass a "
+            f"0-dim floating one, or float(lr); for a changing rate pass a schedule such as "
             f"warmup_cosine_decay_schedule(...)."
         )
     lr = float(learning_rate)
@@ -501,11 +531,21 @@ def scale_by_learning_rate(
     def update_constant(
         updates: Updates, state: OptState, params: Params | None = None, **extra: Any
     ) -> tuple[Updates, OptState]:  # scale's update; the state is the recorded rate
-        return scaled.update(updates, EmptyState(), params, **extra)[0], state
+        new = scaled.update(updates, EmptyState(), params, **extra)[0]
+        # The rate applied, recorded: a state from another rate's init (inject_hyperparams
+        # builds this transformation anew each step) would report a stale one. A rate the
+        # state holds as a tensor (apply_if_finite's) is this one: kept as it is.
+        if isinstance(state.learning_rate, torch.Tensor) or state.learning_rate == lr:
+            return new, state
+        return new, ConstantLearningRateState(lr)
 
     return GradientTransformationExtraArgs(
         lambda params: ConstantLearningRateState(lr), update_constant
     )
+
+
+def _scalar_float(t: torch.Tensor) -> bool:
+    return t.ndim == 0 and t.is_floating_point()
 
 
 def _record(rate: float | torch.Tensor, count: int | torch.Tensor) -> float | torch.Tensor:

@@ -130,8 +130,10 @@ class InjectHyperparamsState(NamedTuple):
         {'learning_rate': 0.1}
     """
 
-    count: int  # updates so far: schedules are evaluated at it
-    hyperparams: dict[str, float]  # the values the next update uses (settable between steps)
+    count: int | torch.Tensor  # updates so far: schedules are evaluated at it (an int64
+    # scalar tensor under apply_if_finite or ff.jit)
+    hyperparams: dict[str, float | torch.Tensor]  # the values the last update used: the
+    # numbers as given (settable between steps), each scheduled one a float64 scalar tensor
     inner_state: Any  # the inner transformation's state
 
 
@@ -146,8 +148,17 @@ def inject_hyperparams(
     whose state holds ``hyperparams``: each scheduled argument evaluated at the step count,
     and each number as given, which may be changed in the state between steps. Arguments
     named in ``static_args``, and those that are neither numbers nor callables, are passed
-    as given. ``hyperparam_dtype`` is accepted for optax's signature (values are Python
-    floats here).
+    as given. ``hyperparam_dtype`` is accepted for optax's signature: a scheduled value is
+    recorded as a float64 scalar tensor (optax records an array), a number as the float it
+    is.
+
+    A step count held as a tensor (:func:`~functional_fsdp.apply_if_finite` makes counts
+    tensors, ``ff.jit`` traces them as tensors) keeps everything on the device: each schedule
+    is evaluated at the tensor count and its value, a float64 scalar tensor, is what the
+    state records and what ``inner_factory`` receives, so nothing is read back to the host
+    and a skipped step keeps the values it had. The library's optimizers take a tensor
+    ``learning_rate``; a factory that refuses a tensor for another scheduled argument raises
+    a ``TypeError`` naming the argument and the fix.
 
     Example:
         >>> import torch
@@ -158,7 +169,7 @@ def inject_hyperparams(
         >>> _, state = opt.update({"w": torch.ones(1)}, state, params)  # the rate at step 0
         >>> _, state = opt.update({"w": torch.ones(1)}, state, params)
         >>> state.hyperparams
-        {'learning_rate': 0.05}
+        {'learning_rate': tensor(0.0500, dtype=torch.float64)}
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -176,25 +187,77 @@ def inject_hyperparams(
             else:
                 fixed[name] = value
 
-        def values(count: int, current: dict[str, float]) -> dict[str, float]:
-            return {**current, **{k: float(fn(count)) for k, fn in scheduled.items()}}
+        def values(
+            count: int | torch.Tensor, current: dict[str, Any]
+        ) -> tuple[dict[str, Any], dict[str, Any]]:
+            """What the state records and what the factory gets: the numbers as they are,
+            the scheduled values as float64 scalar tensors in the state (one type whatever
+            the count, so a checkpoint's layout does not depend on it) and, for an int
+            count, as floats to the factory; for a tensor count, computed on its device
+            (no host read) and passed as they are."""
+            if isinstance(count, torch.Tensor):
+                now = {k: _on(fn(count), count) for k, fn in scheduled.items()}
+                return {**current, **now}, {**current, **now}
+            now = {k: float(fn(count)) for k, fn in scheduled.items()}
+            recorded = {k: torch.tensor(v, dtype=torch.float64) for k, v in now.items()}
+            return {**current, **recorded}, {**current, **now}
+
+        def build(hyper: dict[str, Any]) -> GradientTransformation:
+            tensors = sorted(k for k, v in hyper.items() if isinstance(v, torch.Tensor))
+            try:
+                return inner_factory(**fixed, **hyper)
+            except TypeError as e:
+                if not tensors:
+                    raise
+                raise TypeError(_refused_tensors(inner_factory, tensors, scheduled, e)) from e
 
         def init(params: Params) -> InjectHyperparamsState:
-            hyper = values(0, numeric)
-            inner = inner_factory(**fixed, **hyper)
-            return InjectHyperparamsState(0, hyper, inner.init(params))
+            recorded, hyper = values(0, numeric)
+            return InjectHyperparamsState(0, recorded, build(hyper).init(params))
 
         def update(
             updates: Updates, state: OptState, params: Params | None = None, **extra: Any
         ) -> tuple[Updates, OptState]:
-            hyper = values(state.count, state.hyperparams)
-            inner = inner_factory(**fixed, **hyper)
+            recorded, hyper = values(state.count, state.hyperparams)
+            inner = build(hyper)
             updates, inner_state = call_update(inner, updates, state.inner_state, params, extra)
-            return updates, InjectHyperparamsState(state.count + 1, hyper, inner_state)
+            return updates, InjectHyperparamsState(state.count + 1, recorded, inner_state)
 
         return GradientTransformationExtraArgs(init, update)
 
     return factory
+
+
+def _refused_tensors(
+    factory: Callable[..., Any], tensors: list[str], scheduled: dict[str, Any], error: Exception
+) -> str:
+    """Why ``factory`` got 0-dim tensors for ``tensors`` under inject_hyperparams, and fixes."""
+    name = getattr(factory, "__name__", repr(factory))
+    tensors = [k for k in tensors if k != "learning_rate"] or tensors  # the rate is taken
+    why = []
+    if any(k in scheduled for k in tensors):
+        why.append(
+            f"the step count is a tensor, so the schedules of "
+            f"{[k for k in tensors if k in scheduled]} are evaluated on the device "
+            f"(apply_if_finite makes counts tensors, so that a skipped step keeps them "
+            f"without a device read; ff.jit traces them as tensors)"
+        )
+    if any(k not in scheduled for k in tensors):
+        why.append(
+            f"the state's numbers {[k for k in tensors if k not in scheduled]} are tensors "
+            f"(ff.jit traces a state's Python numbers as tensors)"
+        )
+    return (
+        f"inject_hyperparams({name}): {' and '.join(why)}, and {name} refused a tensor: "
+        f"{error} Every optimizer here takes learning_rate as a tensor; for the others, "
+        f"pass them as static_args=({', '.join(repr(k) for k in tensors)},) to keep them "
+        f"numbers outside the state, or drop their schedules."
+    )
+
+
+def _on(value: Any, count: torch.Tensor) -> torch.Tensor:
+    """A schedule's value at a tensor ``count`` as a float64 scalar tensor on its device."""
+    return torch.as_tensor(value, dtype=torch.float64, device=count.device)
 
 
 class MultiStepsState(NamedTuple):
@@ -293,9 +356,12 @@ class MultiSteps:
         """Accumulate ``updates``; every ``k``-th call, apply the inner optimizer."""
         if isinstance(state.mini_step, torch.Tensor):
             raise TypeError(
-                "MultiSteps: the state's counters are tensors (apply_if_finite around "
-                "MultiSteps makes them so); put apply_if_finite inside instead: "
-                "MultiSteps(ff.apply_if_finite(opt, 5), k)."
+                "MultiSteps: the state's counters are tensors, and which calls update is "
+                "decided on the host from them. Two things make them tensors: apply_if_finite "
+                "around MultiSteps (put it inside instead: MultiSteps(ff.apply_if_finite(opt, "
+                "5), k)), and ff.jit, which traces a state's ints as tensors (accumulate in "
+                "the step instead: ff.train_step(..., accumulate=k), which ff.jit compiles, "
+                "or call the step without ff.jit)."
             )
         k = int(self._every_k(state.gradient_step))
         acc = leaves_like("MultiSteps", "state.acc_grads", state.acc_grads, updates)
