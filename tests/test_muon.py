@@ -1,0 +1,210 @@
+"""Muon (``ff.contrib.muon``) against optax.contrib.muon itself: 20 steps, float32 and
+float64, on one process and on 2 and 4 gloo ranks (FSDP, ZeRO's optimizer shards, columns,
+DDP, HSDP, dp x tp, uneven shapes); each matrix orthogonalized once per step, the work
+balanced by flops."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import functional_fsdp as ff
+from functional_fsdp.optim import muon as M
+
+from . import _muon_workers as W
+
+STEPS = 20
+OMDN = optax.contrib.MuonDimensionNumbers
+
+
+def _optax_dims(tree: Any) -> Any:
+    return {k: None if v is None else OMDN(*v) for k, v in tree.items()}
+
+
+def _optax_by_name(p: Any) -> Any:
+    """W.by_name for optax (which calls it on masked trees too: ranks come from W.SHAPES)."""
+    ndim = {k: len(s) for k, s in W.SHAPES.items()}
+    return {
+        k: None if ("embed" in k or ndim[k] == 1) else (OMDN(1, 2) if ndim[k] == 3 else OMDN())
+        for k in p
+    }
+
+
+def _optax_decay(p: Any) -> Any:
+    return {k: len(W.SHAPES[k]) == 2 for k in p}
+
+
+OPTAX = {
+    "defaults": lambda: optax.contrib.muon(1e-2, muon_weight_dimension_numbers=_optax_by_name),
+    "options": lambda: optax.contrib.muon(
+        2e-2,
+        "dion",
+        5,
+        0.9,
+        1e-7,
+        0.1,
+        _optax_decay,
+        nesterov=False,
+        adaptive=True,
+        preconditioning="aol",
+        adam_b1=0.8,
+        adam_weight_decay=0.01,
+        adam_learning_rate=5e-3,
+        muon_weight_dimension_numbers=_optax_dims(W.DIMS_TREE),
+        consistent_rms=0.2,
+    ),
+    "schatten": lambda: optax.contrib.muon(
+        1e-2, ns_steps=4, preconditioning="schatten", muon_weight_dimension_numbers=_optax_by_name
+    ),
+    "spectral": lambda: optax.contrib.muon(
+        1e-2, preconditioning="spectral", muon_weight_dimension_numbers=_optax_by_name
+    ),
+}
+assert set(OPTAX) == set(W.CASES)
+TOL = {"float32": dict(rtol=1e-4, atol=2e-5), "float64": dict(rtol=1e-10, atol=1e-12)}
+
+
+@functools.cache
+def _optax_run(name: str, dtype: str) -> dict[str, torch.Tensor]:
+    with jax.enable_x64(dtype == "float64"):
+        opt = OPTAX[name]()
+        tdtype = getattr(torch, dtype)
+        p = {k: jnp.asarray(v.numpy()) for k, v in W.params(tdtype).items()}
+        state = opt.init(p)
+        update = jax.jit(opt.update)
+        for g in W.grads(STEPS, tdtype):
+            updates, state = update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, state, p)
+            p = optax.apply_updates(p, updates)
+        return {k: torch.from_numpy(np.asarray(v).copy()) for k, v in p.items()}
+
+
+def _assert_close(
+    ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str, dtype: str
+) -> None:
+    start = W.params(getattr(torch, dtype))
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype, (what, k)
+        torch.testing.assert_close(ours[k], ref[k], **TOL[dtype], msg=f"{what}: {k}")
+        assert not torch.equal(ref[k], start[k]), (what, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", list(W.CASES))
+def test_matches_optax_on_one_process(name: str, dtype: str) -> None:
+    tdtype = getattr(torch, dtype)
+    ours = W.run(name, W.params(tdtype), W.grads(STEPS, tdtype))
+    _assert_close(ours, _optax_run(name, dtype), name, dtype)
+
+
+def test_signature_positional_order_and_defaults_are_optax() -> None:
+    import inspect
+
+    for ours, theirs in (
+        (ff.contrib.muon, optax.contrib.muon),
+        (ff.contrib.scale_by_muon, optax.contrib.scale_by_muon),
+    ):
+        a, b = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+        assert list(a) == list(b)
+        for k in a:
+            assert a[k].kind == b[k].kind, k
+            if k not in ("ns_coeffs", "mu_dtype", "muon_weight_dimension_numbers"):
+                assert a[k].default == b[k].default, k
+    assert tuple(float(c) for c in optax.contrib._muon._DEFAULT_NS_COEFFS) == M.DEFAULT_NS_COEFFS
+
+
+def test_default_rule_takes_every_matrix_like_optax() -> None:
+    """No rule: every rank-2 leaf is Muon's (the embedding too), as in optax."""
+    p = W.params()
+    p.pop("t")
+    steps = [{k: v for k, v in g.items() if k != "t"} for g in W.grads(3)]
+    opt = ff.contrib.muon(1e-2)
+    state = opt.init(p)
+    ours = p
+    for g in steps:
+        u, state = opt.update(g, state, ours)
+        ours = ff.apply_updates(ours, u)
+    ref_opt = optax.contrib.muon(1e-2)
+    jp = {k: jnp.asarray(v.numpy()) for k, v in p.items()}
+    rs = ref_opt.init(jp)
+    for g in steps:
+        u, rs = ref_opt.update({k: jnp.asarray(v.numpy()) for k, v in g.items()}, rs, jp)
+        jp = optax.apply_updates(jp, u)
+    for k in jp:
+        torch.testing.assert_close(
+            ours[k], torch.from_numpy(np.asarray(jp[k]).copy()), **TOL["float32"]
+        )
+
+
+def test_errors_name_the_leaf_and_the_fix() -> None:
+    p = {"v": torch.ones(3)}
+    t = ff.contrib.scale_by_muon()
+    with pytest.raises(ValueError, match=r"scale_by_muon: v: shape \(3,\) is not a matrix.*Adam"):
+        t.update(p, t.init(p))
+    with pytest.raises(ValueError, match=r"unknown ns_coeffs preset 'fast'"):
+        ff.contrib.muon(1e-2, "fast")
+    with pytest.raises(ValueError, match=r"6 rows of ns_coeffs for ns_steps=5"):
+        ff.contrib.scale_by_muon(((1.0, 2.0, 3.0),) * 6)
+    with pytest.raises(TypeError, match=r"the rule gives 3 for w"):
+        ff.contrib.muon(1e-2, muon_weight_dimension_numbers=lambda path, p: 3).init(
+            {"w": torch.ones(2, 2)}
+        )
+    with pytest.raises(ValueError, match=r"overlap for shape \(2, 2\)"):
+        ff.contrib.muon(1e-2, muon_weight_dimension_numbers={"w": W.MDN(0, 0)}).update(
+            {"w": torch.ones(2, 2)},
+            ff.contrib.muon(1e-2).init({"w": torch.ones(2, 2)}),
+            {"w": torch.ones(2, 2)},
+        )
+
+
+def test_owners_balance_flops() -> None:
+    assert M.assign_owners([5, 5, 5, 5], 4) == [0, 1, 2, 3]
+    flops = [M.ns_flops(s, W.MDN(), 5) for s in ((64, 64),) * 4 + ((64, 172),) * 3]
+    owners = M.assign_owners(flops * 8, 4)  # a Llama of 8 layers: q, k, v, o, gate, up, down
+    load = [sum(f for f, o in zip(flops * 8, owners) if o == r) for r in range(4)]
+    assert max(load) / (sum(load) / 4) <= 1.25
+
+
+RANK_CASES_2 = [
+    ("fsdp", "defaults", "float32"),
+    ("fsdp", "options", "float64"),
+    ("columns", "defaults", "float64"),
+    ("ddp", "schatten", "float32"),
+]
+RANK_CASES_4 = [
+    ("fsdp4", "defaults", "float32"),
+    ("fsdp4", "options", "float64"),
+    ("hsdp", "defaults", "float64"),
+    ("dp_tp", "defaults", "float32"),
+    ("dp_tp", "options", "float64"),
+]
+
+
+def _check_ranks(results: list[dict[str, Any]], cases: list[tuple[str, str, str]]) -> None:
+    world = len(results)
+    for layout, name, dtype in cases:
+        key = f"{layout}/{name}/{dtype}"
+        ref = _optax_run(name, dtype)
+        for r in results:
+            _assert_close(r[key]["params"], ref, key, dtype)
+        # Each matrix orthogonalized exactly once per step, over all ranks together.
+        calls = [c for r in results for c in r[key]["calls"]]
+        n_matrices = 4  # defaults: w, c, q, t (embed and b go to Adam); options: w, c, t, embed
+        assert len(calls) == n_matrices, (key, calls)
+        assert all(len(r[key]["calls"]) <= -(-n_matrices // world) + 1 for r in results), key
+
+
+@pytest.mark.multiprocess
+def test_matches_optax_on_two_ranks(pools: Any) -> None:
+    _check_ranks(pools.run(2, W.on_ranks, RANK_CASES_2, STEPS), RANK_CASES_2)
+
+
+@pytest.mark.multiprocess
+def test_matches_optax_on_four_ranks(pools: Any) -> None:
+    _check_ranks(pools.run(4, W.on_ranks, RANK_CASES_4, STEPS), RANK_CASES_4)
