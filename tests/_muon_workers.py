@@ -71,6 +71,20 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
     "spectral": lambda: ff.contrib.muon(
         1e-2, preconditioning="spectral", muon_weight_dimension_numbers=by_name
     ),
+    # Composition: the global norm spans every rank's blocks; the rate lives in the state;
+    # counts become tensors under apply_if_finite; MultiSteps accumulates first.
+    "clip_chain": lambda: ff.chain(
+        ff.clip_by_global_norm(0.5), ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name)
+    ),
+    "inject_schedule": lambda: ff.inject_hyperparams(ff.contrib.muon)(
+        learning_rate=ff.warmup_cosine_decay_schedule(0.0, 2e-2, 3, 20), weight_decay=0.05
+    ),
+    "apply_if_finite": lambda: ff.apply_if_finite(
+        ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name), 2
+    ),
+    "multi_steps": lambda: ff.MultiSteps(
+        ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name), 2
+    ),
 }
 
 

@@ -66,6 +66,19 @@ OPTAX = {
     "spectral": lambda: optax.contrib.muon(
         1e-2, preconditioning="spectral", muon_weight_dimension_numbers=_optax_by_name
     ),
+    "clip_chain": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5),
+        optax.contrib.muon(1e-2, muon_weight_dimension_numbers=_optax_by_name),
+    ),
+    "inject_schedule": lambda: optax.inject_hyperparams(optax.contrib.muon)(
+        learning_rate=optax.warmup_cosine_decay_schedule(0.0, 2e-2, 3, 20), weight_decay=0.05
+    ),
+    "apply_if_finite": lambda: optax.apply_if_finite(
+        optax.contrib.muon(1e-2, muon_weight_dimension_numbers=_optax_by_name), 2
+    ),
+    "multi_steps": lambda: optax.MultiSteps(
+        optax.contrib.muon(1e-2, muon_weight_dimension_numbers=_optax_by_name), 2
+    ),
 }
 assert set(OPTAX) == set(W.CASES)
 TOL = {"float32": dict(rtol=1e-4, atol=2e-5), "float64": dict(rtol=1e-10, atol=1e-12)}
@@ -95,8 +108,13 @@ def _assert_close(
         assert not torch.equal(ref[k], start[k]), (what, k)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("name", list(W.CASES))
+ONE_PROCESS = [(n, d) for n in ("defaults", "options", "schatten", "spectral") for d in TOL]
+ONE_PROCESS += [
+    (n, "float32") for n in ("clip_chain", "inject_schedule", "apply_if_finite", "multi_steps")
+]
+
+
+@pytest.mark.parametrize(("name", "dtype"), ONE_PROCESS)
 def test_matches_optax_on_one_process(name: str, dtype: str) -> None:
     tdtype = getattr(torch, dtype)
     ours = W.run(name, W.params(tdtype), W.grads(STEPS, tdtype))
@@ -176,6 +194,10 @@ RANK_CASES_2 = [
     ("fsdp", "options", "float64"),
     ("columns", "defaults", "float64"),
     ("ddp", "schatten", "float32"),
+    ("columns", "clip_chain", "float32"),
+    ("fsdp", "inject_schedule", "float32"),
+    ("fsdp", "apply_if_finite", "float32"),
+    ("fsdp", "multi_steps", "float32"),
 ]
 RANK_CASES_4 = [
     ("fsdp4", "defaults", "float32"),
@@ -195,8 +217,9 @@ def _check_ranks(results: list[dict[str, Any]], cases: list[tuple[str, str, str]
             _assert_close(r[key]["params"], ref, key, dtype)
         # Each matrix orthogonalized exactly once per step, over all ranks together.
         calls = [c for r in results for c in r[key]["calls"]]
-        n_matrices = 4  # defaults: w, c, q, t (embed and b go to Adam); options: w, c, t, embed
-        assert len(calls) == n_matrices, (key, calls)
+        n_matrices = 4  # by_name: w, c, q, t (embed and b go to Adam); options: w, c, t, embed;
+        # inject_schedule (optax's default rule): w, c, q, embed. MultiSteps: none on step 1.
+        assert len(calls) == (0 if name == "multi_steps" else n_matrices), (key, calls)
         assert all(len(r[key]["calls"]) <= -(-n_matrices // world) + 1 for r in results), key
 
 
