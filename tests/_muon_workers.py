@@ -171,3 +171,93 @@ def on_ranks(names: list[tuple[str, str, str]], steps: int) -> dict[str, Any]:
             "all_to_all": comms.bytes("all_to_all") // steps,
         }
     return out
+
+
+# --------------------------------------------------------------------------- a Llama
+
+
+def llama_rule(path: str, p: Any) -> Any:
+    """Hidden matrices to Muon (torch's [out, in] layout); embeddings, head, norms to Adam."""
+    if p.ndim != 2 or "embed" in path or "lm_head" in path:
+        return None
+    return MDN(1, 0)
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    from ._hf import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(hidden_size=24, intermediate_size=40))
+    model.config.use_cache = False
+    return model
+
+
+def llama_batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 96, (4, 9), generator=g) for _ in range(steps)]
+
+
+def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:])
+
+
+def llama_reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, plain tensors: the numbers every layout must give."""
+    model = llama()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=llama_rule)
+
+    def loss(p: Any, ids: torch.Tensor) -> torch.Tensor:
+        return _lm_loss(torch.func.functional_call(model, p, (ids[:, :-1],)).logits, ids)
+
+    step = ff.train_step(loss, opt, batch="local")
+    state = ff.TrainState.create(params, opt)
+    for ids in llama_batches(steps):
+        state, _ = step(state, ids)
+    return dict(state.params)
+
+
+def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
+    """``train_step`` with Muon on a Llama: FSDP with donation; ZeRO-2 (params replicated,
+    optimizer shards over dp) under master_weights; FSDP + TP on (dp, tp)."""
+    out: dict[str, Any] = {}
+    world = torch.distributed.get_world_size()
+    for layout in layouts:
+        model = llama()
+        rule = llama_rule
+        opt: ff.GradientTransformation = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=rule)
+        create: dict[str, Any] = {}
+        donate = False
+        if layout == "fsdp_donate":
+            mesh = ff.make_mesh({"dp": world})
+            f = ff.fsdp(model, mesh)
+            donate = True
+        elif layout == "zero2_masters":
+            mesh = ff.make_mesh({"dp": world})
+            f = ff.fsdp(model, mesh, specs=ff.P())
+            opt = ff.master_weights(opt, param_dtype=torch.float32)
+            create = {"opt_specs": ff.P("dp")}
+        else:  # dp x tp: the model's TP plan, FSDP over dp on top
+            from functional_fsdp.models import llama_plan
+
+            mesh = ff.make_mesh({"dp": 2, "tp": world // 2})
+            tp = ff.tensor_parallel(model, mesh, llama_plan(model.config, loss_parallel=False))
+            f = ff.fsdp(model, mesh, specs=tp.specs, wrappers=tp.wrappers)
+        step = ff.train_step(
+            lambda p, ids, f=f: _lm_loss(f.apply(p, ids[:, :-1]).logits, ids),
+            opt,
+            model=f,
+            donate=donate,
+        )
+        state = ff.TrainState.create(f.shard(), opt, **create)
+        with ff.count_comms() as comms:
+            for ids in llama_batches(steps):
+                state, _ = step(state, ids)
+        params = ff.gather(state.params)
+        out[layout] = {
+            "params": {k: v.clone() for k, v in params.items()},
+            "all_to_all": comms.bytes("all_to_all") // steps,
+        }
+    return out
