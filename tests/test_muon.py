@@ -181,12 +181,41 @@ def test_errors_name_the_leaf_and_the_fix() -> None:
         )
 
 
-def test_owners_balance_flops() -> None:
+def test_owners_balance_flops_on_a_llama_of_8_layers_over_4_ranks() -> None:
+    from transformers import LlamaForCausalLM
+
+    from ._hf import tiny_llama_config
+
     assert M.assign_owners([5, 5, 5, 5], 4) == [0, 1, 2, 3]
-    flops = [M.ns_flops(s, W.MDN(), 5) for s in ((64, 64),) * 4 + ((64, 172),) * 3]
-    owners = M.assign_owners(flops * 8, 4)  # a Llama of 8 layers: q, k, v, o, gate, up, down
-    load = [sum(f for f, o in zip(flops * 8, owners) if o == r) for r in range(4)]
-    assert max(load) / (sum(load) / 4) <= 1.25
+    with torch.device("meta"):
+        model = LlamaForCausalLM(
+            tiny_llama_config(num_hidden_layers=8, hidden_size=64, intermediate_size=172)
+        )
+    matrices = [
+        (tuple(p.shape), dims)
+        for name, p in model.named_parameters()
+        if (dims := W.llama_rule(name, p)) is not None
+    ]
+    assert len(matrices) == 8 * 7  # q, k, v, o, gate, up, down
+    flops = [M.ns_flops(s, d, 5) for s, d in matrices]
+    owners = M.assign_owners(flops, 4)
+    load = [sum(f for f, o in zip(flops, owners) if o == r) for r in range(4)]
+    assert max(load) / (sum(load) / 4) <= 1.25, load
+    assert M.assign_owners([8] + [1] * 8, 2) == [0] + [1] * 8  # by flops, not by count
+
+
+def test_simulated_mesh_gives_the_same_numbers() -> None:
+    """A simulated mesh (every rank orthogonalizes every matrix there) gives optax's numbers."""
+    params, grads = W.params(), W.grads(5)
+    ref_p = W.run("defaults", params, grads)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        specs = W.LAYOUTS["fsdp"][1]
+        p = ff.shard(params, mesh, specs)
+        steps = [ff.shard(g, mesh, specs) for g in grads]
+        got = ff.gather(W.run("defaults", p, steps))
+        for k, v in ref_p.items():
+            for value in ff.rank_values(got[k]):
+                torch.testing.assert_close(value, v, **TOL["float32"])
 
 
 RANK_CASES_2 = [
