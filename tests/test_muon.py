@@ -237,10 +237,26 @@ RANK_CASES_4 = [
 ]
 
 
+BY_NAME = {"w": W.MDN(), "c": W.MDN(), "q": W.MDN(), "t": W.MDN(1, 2)}
+MUON_LEAVES = {
+    "options": {k: v for k, v in W.DIMS_TREE.items() if v is not None},
+    "inject_schedule": {"w": W.MDN(), "c": W.MDN(), "q": W.MDN(), "embed": W.MDN()},
+}
+
+
+def _predicted_bytes(layout: str, name: str, dtype: str) -> list[int]:
+    axes, specs = W.LAYOUTS[layout]
+    leaves = MUON_LEAVES.get(name, BY_NAME)
+    matrices = [(W.SHAPES[k], specs[k], leaves[k]) for k in sorted(leaves)]  # the tree's order
+    return M.exchange_bytes(matrices, axes, getattr(torch, dtype).itemsize)
+
+
 def _check_ranks(results: list[dict[str, Any]], cases: list[tuple[str, str, str]]) -> None:
     world = len(results)
     for layout, name, dtype in cases:
         key = f"{layout}/{name}/{dtype}"
+        if name != "multi_steps":  # priced from shapes = what the step sends, per rank
+            assert [r[key]["all_to_all"] for r in results] == _predicted_bytes(layout, name, dtype)
         ref = _optax_run(name, dtype)
         for r in results:
             _assert_close(r[key]["params"], ref, key, dtype)

@@ -367,6 +367,48 @@ def plan_owners(
     return assign_owners([ns_flops(s, d, 1) for s, d in shapes], n)
 
 
+def exchange_bytes(
+    matrices: Sequence[tuple[Sequence[int], Any, MuonDimensionNumbers]],
+    axis_sizes: dict[str, int],
+    itemsize: int = 4,
+) -> list[int]:
+    """Bytes each rank sends per step in Muon's two all-to-alls, from shapes alone: the
+    blocks it sends to the owners, plus the blocks of its own matrices it sends back.
+
+    Args:
+        matrices: ``(global shape, spec, dimension numbers)`` of each Muon leaf sharded on the
+            mesh, in the order of the params tree.
+        axis_sizes: the mesh's axes and sizes, in mesh order.
+        itemsize: bytes per element of the momentum (4 for float32).
+
+    Example:
+        >>> from functional_fsdp.spec import P
+        >>> exchange_bytes([((8, 4), P("dp"), MuonDimensionNumbers())] * 2, {"dp": 2})
+        [128, 128]
+    """
+    from ..spec import Layout
+
+    names = list(axis_sizes)
+    n = math.prod(axis_sizes.values())
+    coords = []
+    for index in range(n):
+        values = []
+        for name in reversed(names):
+            values.append(index % axis_sizes[name])
+            index //= axis_sizes[name]
+        coords.append(dict(zip(names, reversed(values))))
+    owners = assign_owners([ns_flops(tuple(s), d, 1) for s, _, d in matrices], n)
+    sent = [0] * n
+    for (shape, spec, _), o in zip(matrices, owners):
+        layout = Layout.make(tuple(shape), spec, axis_sizes)
+        sizes = [math.prod(x.stop - x.start for x in layout.owned(c)[0]) for c in coords]
+        for k in _sources(layout, coords[o], coords):
+            if k != o:
+                sent[k] += sizes[k] * itemsize
+        sent[o] += sum(sizes[k] for k in range(n) if k != o) * itemsize
+    return sent
+
+
 def _sources(layout: Any, owner: dict[str, int], coords: list[dict[str, int]]) -> list[int]:
     """The ranks that send their block to ``owner``: one per distinct block, the one at the
     owner's coordinate on every axis the value is replicated over."""
