@@ -261,3 +261,43 @@ def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
             "all_to_all": comms.bytes("all_to_all") // steps,
         }
     return out
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _fsdp_state(world: int) -> tuple[Any, Any, Any]:
+    mesh = ff.make_mesh({"dp": world})
+    specs = {k: ff.P("dp") for k in SHAPES}
+    p = ff.shard(params(), mesh, specs)
+    opt = CASES["defaults"]()
+    return mesh, specs, (p, opt.init(p))
+
+
+def _steps(state: Any, mesh: Any, specs: Any, seq: list[Any]) -> Any:
+    opt = CASES["defaults"]()
+    p, s = state
+    for g in seq:
+        updates, s = opt.update(ff.shard(g, mesh, specs), s, p)
+        p = ff.apply_updates(p, updates)
+    return p, s
+
+
+def checkpoint_save(path: str, steps: int, half: int) -> dict[str, torch.Tensor]:
+    """``half`` steps on these ranks, saved; and the uninterrupted run's params."""
+    world = torch.distributed.get_world_size()
+    mesh, specs, state = _fsdp_state(world)
+    seq = grads(steps)
+    state = _steps(state, mesh, specs, seq[:half])
+    ff.checkpoint.save(path, state)
+    p, _ = _steps(state, mesh, specs, seq[half:])
+    return {k: v.clone() for k, v in ff.gather(p).items()}
+
+
+def checkpoint_resume(path: str, steps: int, half: int) -> dict[str, torch.Tensor]:
+    """The saved state loaded onto these ranks, then the remaining steps."""
+    world = torch.distributed.get_world_size()
+    mesh, specs, template = _fsdp_state(world)
+    state = ff.checkpoint.load(path, template)
+    p, _ = _steps(state, mesh, specs, grads(steps)[half:])
+    return {k: v.clone() for k, v in ff.gather(p).items()}

@@ -300,3 +300,19 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
                         msg=f"{layout}: {k}",
                     )
                 assert r[layout]["all_to_all"] > 0, layout
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_four(pools: Any, tmp_path: Any) -> None:
+    """Muon's state (momentum shards, count, coefficients) saved on 4 ranks: resumed on 4 it
+    is bitwise the uninterrupted run; resharded onto 2 it is optax's numbers."""
+    path = str(tmp_path / "ckpt")
+    uninterrupted = pools.run(4, W.checkpoint_save, path, 8, 4)
+    on_four = pools.run(4, W.checkpoint_resume, path, 8, 4)
+    on_two = pools.run(2, W.checkpoint_resume, path, 8, 4)
+    ref = W.run("defaults", W.params(), W.grads(8))
+    for a, b in zip(uninterrupted, on_four):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for r in on_two:
+        for k, v in ref.items():
+            torch.testing.assert_close(r[k], v, **TOL["float32"])
