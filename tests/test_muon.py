@@ -282,7 +282,7 @@ def test_matches_optax_on_four_ranks(pools: Any) -> None:
 def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
     """A transformers Llama (embeddings, head and norms through Adam) trained 3 steps by
     train_step: FSDP with donation and ZeRO-2 with master weights on 2 ranks, FSDP + TP on
-    2 x 2, each equal to one process."""
+    2 x 2, each equal to one process; ff.plan prices the all-to-alls rank 0 sends."""
     ref = W.llama_reference(3)
     two = pools.run(2, W.llama_on_ranks, ["fsdp_donate", "zero2_masters"], 3)
     four = pools.run(4, W.llama_on_ranks, ["dp_tp"], 3)
@@ -300,6 +300,27 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
                         msg=f"{layout}: {k}",
                     )
                 assert r[layout]["all_to_all"] > 0, layout
+    # The planner prices the same all-to-alls, from shapes, for rank 0.
+    model = W.llama()
+    muon = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=W.llama_rule)
+    from functional_fsdp.models import llama_plan
+
+    plans = {
+        "fsdp_donate": ff.plan(model, {"dp": 2}, optimizer=muon),
+        "zero2_masters": ff.plan(
+            model, {"dp": 2}, specs=ff.P(), opt_specs=ff.P("dp"), optimizer=muon
+        ),
+        "dp_tp": ff.plan(
+            model,
+            {"dp": 2, "tp": 2},
+            optimizer=muon,
+            tp_plan=llama_plan(model.config, loss_parallel=False),
+        ),
+    }
+    measured = {**two[0], **four[0]}
+    for layout, report in plans.items():
+        priced = sum(c.bytes for c in report.comms if c.kind == "all_to_all")
+        assert priced == measured[layout]["all_to_all"], layout
 
 
 @pytest.mark.multiprocess
