@@ -5,6 +5,7 @@ data (a :class:`P` per tensor), and ``shard``/``gather``/``reshard`` move values
 layouts with explicit, differentiable collectives.
 """
 
+from . import contrib as contrib
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
 from ._loss import SumCount as SumCount
 from ._partition import combine as combine
@@ -242,6 +243,7 @@ __all__ = [
     "combine",
     "compare_strategies",
     "constant_schedule",
+    "contrib",
     "copy_to",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
