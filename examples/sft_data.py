@@ -431,6 +431,69 @@ def pack(
     return out
 
 
+# --------------------------------------------------------------------------- preference pairs
+
+
+def write_preferences(path: str, n: int = 64, seed: int = 0) -> None:
+    """``n`` preference pairs in TRL's conversational format: a ``prompt`` (a user turn, some
+    after a system prompt), the right answer ``chosen`` and a wrong one ``rejected``."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            question, answer = _task(rng)
+            wrong = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+            prompt = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.25 else []
+            prompt.append({"role": "user", "content": question})
+            pair = {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+            f.write(json.dumps(pair) + "\n")
+
+
+def encode_preference(example: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one conversational pair, as TRL's
+    ``DPOTrainer`` tokenizes it: the completions start where the prompt rendered with the
+    generation prompt and each whole conversation diverge (the earlier of the two)."""
+    prompt = _render(tokenizer, example["prompt"], add_generation_prompt=True)["input_ids"]
+    chosen = _render(tokenizer, [*example["prompt"], *example["chosen"]])["input_ids"]
+    rejected = _render(tokenizer, [*example["prompt"], *example["rejected"]])["input_ids"]
+    start = min(_common(prompt, chosen), _common(prompt, rejected))
+    return {
+        "prompt_ids": list(prompt[:start]),
+        "chosen_ids": list(chosen[start:]),
+        "rejected_ids": list(rejected[start:]),
+    }
+
+
+def preference_batch(
+    pairs: Sequence[dict[str, Any]], pad_id: int, max_length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Chosen and rejected sequences of each pair, cut to ``max_length`` (TRL's
+    ``keep_start``) and right-padded to one length: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (``[pairs, length]``; labels aligned with the
+    ids, -100 on the prompt and padding). Row ``i`` of each is pair ``i``, so a batch split
+    along dim 0 keeps pairs whole."""
+    rows: dict[str, list[dict[str, list[int]]]] = {"chosen": [], "rejected": []}
+    for p in pairs:
+        for side in rows:
+            ids = [*p["prompt_ids"], *p[f"{side}_ids"]]
+            labels = [-100] * len(p["prompt_ids"]) + list(p[f"{side}_ids"])
+            if max_length is not None:
+                ids, labels = ids[:max_length], labels[:max_length]
+            rows[side].append({"input_ids": ids, "labels": labels})
+    length = max(len(r["input_ids"]) for side in rows.values() for r in side)
+    out = {}
+    for side, examples in rows.items():
+        padded = pad(
+            [*examples, {"input_ids": [pad_id] * length, "labels": [-100] * length}], pad_id
+        )
+        out[f"{side}_input_ids"] = padded["input_ids"][:-1]
+        out[f"{side}_labels"] = padded["labels"][:-1]
+    return out
+
+
 class Batches:
     """This data rank's batches, epoch after epoch: a ``StatefulDataLoader`` over a list or a
     ``datasets.Dataset`` of examples with a ``DistributedSampler`` (shuffled per epoch with

@@ -30,6 +30,7 @@ def trl() -> dict[str, Any]:
 # Warnings TRL 1.16 and transformers 5.24 give on this setup, none about the numbers.
 TRL_WARNINGS = [
     "`gradient_checkpointing` is deprecated",  # SFTConfig's default meets transformers 5.24's rename
+    "`is_gradient_checkpointing` is deprecated",  # DPOTrainer reads the old name
 ]
 
 
