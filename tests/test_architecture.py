@@ -29,7 +29,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),  # FSDP.apply, TP, optimizers, quantized formats
     (
         "steps",
-        ("grad_engine", "_loss", "train", "checkpoint", "models", "compiled", "_inductor_passes"),
+        (
+            "grad_engine",
+            "_loss",
+            "_lm_losses",
+            "_dpo",
+            "train",
+            "checkpoint",
+            "models",
+            "compiled",
+            "_inductor_passes",
+        ),
     ),
     ("planner", ("planner",)),  # prices strategies by running the engines
     ("tools", ("display", "plot", "launcher")),  # pictures, the process launcher
