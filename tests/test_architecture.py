@@ -25,8 +25,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moves", ("_buckets", "resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys
     (
         "engines",
-        ("formats", "fsdp", "tp", "optim"),
-    ),  # FSDP.apply, TP, optimizers, quantized formats
+        ("formats", "fsdp", "tp", "optim", "contrib"),
+    ),  # FSDP.apply, TP, optimizers (contrib: optax.contrib's names), quantized formats
     (
         "steps",
         (
