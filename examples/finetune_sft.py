@@ -1,18 +1,25 @@
-"""Supervised fine-tuning (SFT) with LoRA, fully sharded: chat data, the prompt masked, padded
-or packed, the token mean of the global batch as the loss, a resumable sharded loader.
+"""Supervised fine-tuning (SFT) with LoRA, fully sharded, as TRL's ``SFTTrainer`` does it:
+chat data with every assistant turn trained, truncated, padded or packed, the token mean of
+the global batch as the loss, a resumable sharded loader.
 
-1. Data: a JSON-lines file of chat ``messages`` (``--data``; without it a small instruction
-   set is written), formatted with the tokenizer's chat template; only the assistant's answer
-   is labelled (the prompt's labels are -100). Each data rank reads its own share of every
-   epoch (torchdata's ``StatefulDataLoader`` over a ``DistributedSampler``): the batches of
-   different ranks differ in length and in counted tokens.
+1. Data: a JSON-lines file (``--data``; without it a small chat set is written) read and
+   mapped by ``datasets``: chat ``messages``, prompt-completion pairs, or a TRL-prepared
+   dataset (``input_ids`` with ``labels``, ``assistant_masks`` or ``completion_mask``).
+   Conversations are formatted with the tokenizer's chat template and every assistant turn is
+   labelled (TRL's ``assistant_only_loss=True``; ``--turns last``: the last one only). Labels
+   are aligned with ``input_ids``, ``-100`` where not trained (Hugging Face's convention).
+   ``--max-length`` is TRL's ``max_length``: examples are cut to it and those left with
+   nothing to train are dropped. Each data rank reads its own share of every epoch
+   (torchdata's ``StatefulDataLoader`` over a ``DistributedSampler``).
 2. Batches: ``--batching pad`` pads each rank's batch to its longest sequence;
-   ``--batching pack`` packs it into rows of ``--pack-length`` tokens, with per-document
-   ``position_ids`` and a block-diagonal causal mask, so attention never crosses documents.
-3. The loss: ``loss_fn`` returns ``(sum of the answer tokens' cross entropy, their count)``,
-   so the step's loss and gradient are the global sum over the global count: the token mean
-   of the global batch, as one process computes it and as Hugging Face's Trainer does by
-   default (``average_tokens_across_devices=True``). Padding and packing give the same loss.
+   ``--batching pack`` packs it into rows of ``--max-length`` tokens, best fit decreasing
+   (TRL's default ``packing_strategy="bfd"``; ``--packing-strategy in_order``), with
+   per-document ``position_ids`` and a block-diagonal causal mask (``--padding-free``: the
+   ``position_ids`` alone, which sdpa and eager attention honour with ``use_cache=False``).
+3. The loss: ``ff.causal_lm_loss`` returns ``(sum of the trained tokens' cross entropy,
+   their count)``, so the step's loss and gradient are the global sum over the global count:
+   the token mean of the global batch, as one process computes it and as TRL's and Hugging
+   Face's Trainer do by default. Padding and packing give the same loss.
 4. Checkpoints hold the train state and the loader's position, so ``--resume`` reads exactly
    the batches the uninterrupted run would and ends on its loss, bit for bit.
 5. ``--quantize nf4``: the QLoRA recipe of ``examples/finetune_lora.py`` on the same data.
@@ -36,7 +43,6 @@ from typing import Any
 import sft_data
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from chardata import add_device_arg
 from finetune_lora import bnb_config, lora_init, tiny_llama
 from tqdm import tqdm
@@ -47,14 +53,16 @@ import functional_fsdp as ff
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_arg(p)
-    p.add_argument("--data", default=None, help="a local .jsonl of {'messages': [...]}")
+    p.add_argument("--data", default=None, help="a local .jsonl of {'messages': [...]}, ...")
     p.add_argument("--examples", type=int, default=256, help="examples written without --data")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8, help="examples per rank and step")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
     p.add_argument("--batching", choices=("pad", "pack"), default="pad")
-    p.add_argument("--pack-length", type=int, default=64, help="tokens per packed row")
-    p.add_argument("--max-length", type=int, default=64, help="longest example (tokens)")
+    p.add_argument("--packing-strategy", choices=("bfd", "in_order"), default="bfd")
+    p.add_argument("--padding-free", action="store_true", help="packed rows without the mask")
+    p.add_argument("--max-length", type=int, default=64, help="tokens kept; the packed row")
+    p.add_argument("--turns", choices=("all", "last"), default="all", help="assistant turns")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--quantize", choices=("none", "nf4", "fp4"), default="none")
@@ -70,10 +78,10 @@ def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str]:
     from transformers import AutoTokenizer
 
     data = args.data
-    name = f"ff-sft-{args.examples}-{args.seed}"
+    name = f"ff-sft-chat-{args.examples}-{args.seed}"
     if data is not None:  # a tokenizer for this file
         stat = os.stat(data)
-        name = f"ff-sft-data-{stat.st_size}-{int(stat.st_mtime)}"
+        name = f"ff-sft-chat-data-{stat.st_size}-{int(stat.st_mtime)}"
     folder = os.path.join(tempfile.gettempdir(), name)
     if data is None:
         data = os.path.join(folder, "instructions.jsonl")
@@ -81,7 +89,7 @@ def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str]:
         os.makedirs(folder, exist_ok=True)
         if args.data is None:
             sft_data.write_instructions(data, args.examples, args.seed)
-        sft_data.chat_tokenizer(sft_data.read_instructions(data), folder)
+        sft_data.chat_tokenizer(sft_data.conversations_of(sft_data.load(data)), folder)
         tiny_llama(folder, vocab_size=-(-len(AutoTokenizer.from_pretrained(folder)) // 8) * 8)
     dist.barrier()
     return data, folder
@@ -94,15 +102,18 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # 1. Data: chat-formatted, prompt masked, this rank's share, padded or packed.
+    # 1. Data: read and mapped by datasets (cached), every assistant turn labelled, cut to
+    # --max-length, this rank's share, padded or packed.
     data, path = prepare(args, rank)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    examples = [
-        sft_data.encode(m, tokenizer, args.max_length) for m in sft_data.read_instructions(data)
-    ]
+    packing = args.batching == "pack"
+    examples = sft_data.prepare(
+        sft_data.load(data), tokenizer, args.max_length, turns=args.turns, packing=packing
+    )
     pad_id = tokenizer.pad_token_id
-    if args.batching == "pack":
-        collate = lambda b: sft_data.pack(b, args.pack_length, pad_id, args.accumulate)  # noqa: E731
+    if packing:
+        options = dict(strategy=args.packing_strategy, mask=not args.padding_free)
+        collate = lambda b: sft_data.pack(b, args.max_length, pad_id, args.accumulate, **options)  # noqa: E731
     else:
         collate = lambda b: sft_data.pad(b, pad_id, args.accumulate)  # noqa: E731
     batches = sft_data.Batches(examples, args.batch_size, collate, rank, world, args.seed)
@@ -134,13 +145,12 @@ def main() -> None:
     params.update(ff.checkpoint.load_safetensors(sm, path, rename=to_file, names=frozen))
     optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(args.lr, weight_decay=0.0))
 
-    # 3. The token mean of the global batch: (sum, count), divided by the step.
+    # 3. The token mean of the global batch: (sum, count), divided by the step. The labels
+    # are aligned with input_ids; causal_lm_loss shifts them, as transformers' loss does.
     def loss_fn(p: dict, batch: dict[str, torch.Tensor]) -> Any:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = sm.apply(p, **inputs, buffers=buffers).logits
-        labels = batch["labels"]
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return total, (labels != -100).sum()
+        return ff.causal_lm_loss(logits, batch["labels"])
 
     step = ff.train_step(loss_fn, optimizer, model=sm, batch="local", accumulate=args.accumulate)
     state = ff.TrainState.create(params, optimizer, trainable=sm)

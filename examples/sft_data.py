@@ -1,20 +1,33 @@
-"""Supervised fine-tuning data: chat-formatted examples with the prompt masked, batched by
-padding or by packing, read by a stateful loader that shards over the data ranks.
+"""Supervised fine-tuning data in Hugging Face's and TRL's conventions: chat conversations
+tokenized with the chat template, every assistant turn trained, truncated and packed as TRL 1.16's
+``SFTTrainer`` does, read by a stateful loader that shards over the data ranks.
 
-Used by ``examples/finetune_sft.py`` and its tests; every function is pure but the loader.
+Used by ``examples/finetune_sft.py``, ``examples/finetune_dpo.py`` and their tests; every
+function is pure but the loader.
 
-* :func:`write_instructions` writes a small instruction dataset (JSON lines of chat
-  ``messages``) so that nothing is downloaded.
-* :func:`chat_tokenizer` trains a byte-level BPE tokenizer on it and gives it a chat
-  template, saved so that ``AutoTokenizer.from_pretrained`` reads it like a real one.
-* :func:`encode` formats one example with ``tokenizer.apply_chat_template`` and labels only
-  the assistant's answer: the prompt's labels are -100.
-* :func:`pad` pads a batch to its longest sequence; :func:`pack` packs it into rows of a
-  fixed length, each token carrying its position within its own document
-  (``position_ids``, as transformers' ``DataCollatorWithFlattening``) and a block-diagonal
-  causal mask, so attention never crosses documents. transformers' sdpa and eager attention
-  do not isolate documents from ``position_ids`` alone (only flash-attention's varlen path
-  does), so the mask is built here: a 4-D additive mask, which both honour.
+**Labels** follow Hugging Face's convention: aligned with ``input_ids``, ``-100`` where a token
+is not trained; the loss shifts them (``ff.causal_lm_loss``, or transformers' own ``labels=``).
+
+* :func:`write_instructions` writes a small chat dataset (JSON lines of ``messages``: some
+  conversations multi-turn, some with a system prompt) so that nothing is downloaded.
+* :func:`chat_tokenizer` trains a byte-level BPE tokenizer on it and gives it a chat template
+  with ``{% generation %}`` markers, saved so that ``AutoTokenizer.from_pretrained`` reads it.
+* :func:`encode` tokenizes one example and labels what TRL's ``assistant_only_loss=True``
+  labels: every assistant turn (``turns="last"``: only the last one). It reads the template's
+  ``{% generation %}`` markers where it has them, and finds the turns by rendering the
+  conversation's prefixes where it does not. Prompt-completion examples (TRL's
+  ``completion_mask``) and TRL-prepared ones (``input_ids`` with ``assistant_masks``,
+  ``completion_mask`` or ``labels``) are taken too.
+* :func:`prepare` maps a ``datasets.Dataset`` through :func:`encode` (cached by ``datasets``)
+  and, as TRL, truncates to ``max_length`` (``keep_start``) and drops the examples left with
+  nothing to train, unless the data is to be packed.
+* :func:`pad` pads a batch to its longest sequence; :func:`pack` packs it into rows of a fixed
+  length, best-fit decreasing (TRL's default ``packing_strategy="bfd"``) or in order, an
+  over-long example truncated (TRL's ``bfd``) or refused. Each token carries its position
+  within its own document (``position_ids``, as ``DataCollatorWithFlattening``), each
+  document's first label is ``-100``, and the batch carries a block-diagonal causal mask,
+  optionally: transformers' sdpa and eager attention isolate documents from ``position_ids``
+  alone when the model runs with ``use_cache=False`` (measured in ``tests/test_sft.py``).
 * :class:`Batches` is a ``torchdata`` ``StatefulDataLoader`` over this data rank's share
   (``DistributedSampler``), epoch after epoch; its position is a small tensor to save in a
   checkpoint, so a resumed run reads exactly the batches the uninterrupted one would.
@@ -22,15 +35,25 @@ Used by ``examples/finetune_sft.py`` and its tests; every function is pure but t
 
 from __future__ import annotations
 
+import bisect
 import json
 import pickle
 import random
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+# Assistant turns are wrapped in {% generation %} markers, as TRL's assistant_only_loss needs
+# (transformers' return_assistant_tokens_mask reads them).
 CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m['content'] }}<|end|>{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "<|end|>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# The same rendering without the markers, as most chat templates are written.
+PLAIN_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -50,37 +73,58 @@ WORDS = [
     "lima",
     "mike",
 ]
+SYSTEM = "answer with the words only"
+
+
+def _task(rng: random.Random) -> tuple[str, str]:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(1, 9))]
+    task = rng.choice(["reverse", "sort", "count"])
+    answer = {
+        "reverse": " ".join(reversed(words)),
+        "sort": " ".join(sorted(words)),
+        "count": str(len(words)),
+    }[task]
+    return f"{task}: {' '.join(words)}", answer
 
 
 def write_instructions(path: str, n: int = 64, seed: int = 0) -> None:
-    """``n`` instruction examples of very different lengths (reverse, sort, count words)."""
+    """``n`` chat examples of very different lengths (reverse, sort, count words): about a
+    third with a second or third turn, about a quarter with a system prompt."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            words = [rng.choice(WORDS) for _ in range(rng.randint(1, 9))]
-            task = rng.choice(["reverse", "sort", "count"])
-            answer = {
-                "reverse": " ".join(reversed(words)),
-                "sort": " ".join(sorted(words)),
-                "count": str(len(words)),
-            }[task]
-            messages = [
-                {"role": "user", "content": f"{task}: {' '.join(words)}"},
-                {"role": "assistant", "content": answer},
-            ]
+            messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.25 else []
+            for _ in range(rng.choice([1, 1, 2, 3])):
+                question, answer = _task(rng)
+                messages.append({"role": "user", "content": question})
+                messages.append({"role": "assistant", "content": answer})
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def read_instructions(path: str) -> list[list[dict[str, str]]]:
     """The ``messages`` of a local JSON-lines file, read by ``datasets``."""
+    return list(load(path)["messages"])
+
+
+def load(path: str) -> Any:
+    """A local JSON-lines file as a ``datasets.Dataset`` (cached by ``datasets``)."""
     import datasets
     from datasets import load_dataset
 
     datasets.disable_progress_bars()
-    return list(load_dataset("json", data_files=path, split="train")["messages"])
+    return load_dataset("json", data_files=path, split="train")
 
 
-def chat_tokenizer(conversations: Sequence[Sequence[dict[str, str]]], path: str) -> None:
+def conversations_of(dataset: Any) -> list[list[dict[str, str]]]:
+    """The conversations of a dataset of ``messages`` or of prompt-completion pairs."""
+    if "messages" in dataset.column_names:
+        return list(dataset["messages"])
+    return [[*r["prompt"], *r["completion"]] for r in dataset]
+
+
+def chat_tokenizer(
+    conversations: Sequence[Sequence[dict[str, str]]], path: str, template: str = CHAT_TEMPLATE
+) -> None:
     """A byte-level BPE tokenizer trained on the conversations, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -96,29 +140,162 @@ def chat_tokenizer(conversations: Sequence[Sequence[dict[str, str]]], path: str)
     )
     tok.train_from_iterator([m["content"] for c in conversations for m in c], trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok, eos_token="<|end|>", pad_token="<pad>", chat_template=template
     )
     fast.save_pretrained(path)
 
 
-def encode(messages: Sequence[dict[str, str]], tokenizer: Any, max_length: int) -> dict[str, Any]:
-    """``input_ids`` and next-token ``labels`` of one conversation, the prompt masked.
+# --------------------------------------------------------------------------- one example
 
-    The prompt is everything before the last (assistant) message, with the generation
-    prompt; only the answer's tokens (and its end token) are labelled.
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], **kwargs: Any) -> dict:
+    return dict(
+        tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True, **kwargs)
+    )
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of ones of a 0/1 mask."""
+    runs, start = [], None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def assistant_mask(
+    tokenizer: Any, messages: Sequence[dict[str, str]]
+) -> tuple[list[int], list[int]]:
+    """The conversation's ``input_ids`` and a 0/1 mask of its assistant turns' tokens.
+
+    With ``{% generation %}`` markers in the chat template, transformers' own
+    ``return_assistant_tokens_mask`` (what TRL's ``assistant_only_loss`` reads). Without them,
+    each assistant turn is the tokens that rendering the conversation up to that turn adds to
+    the rendering of the conversation before it with the generation prompt: the same tokens
+    where the template could carry markers.
     """
-    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages)
-    prompt, full = _ids(prompt), _ids(full)
-    if full[: len(prompt)] != prompt:
-        raise ValueError("the chat template does not extend the prompt with the answer")
-    full = full[: max_length + 1]
-    labels = [-100] * len(prompt) + full[len(prompt) :]
-    return {"input_ids": full[:-1], "labels": labels[1:]}
+    template = tokenizer.chat_template or ""
+    if "{% generation %}" in template or "{%- generation %}" in template:
+        out = _render(tokenizer, messages, return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    ids = list(_render(tokenizer, messages)["input_ids"])
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ValueError(
+                "encode: a conversation that opens with an assistant turn has no prompt to "
+                "render before it; add the chat template's {% generation %} markers."
+            )
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)["input_ids"]
+        upto = _render(tokenizer, messages[: i + 1])["input_ids"]
+        if ids[: len(upto)] != list(upto):
+            raise ValueError(
+                f"encode: the chat template does not render turn {i} as a prefix of the "
+                f"whole conversation, so its tokens cannot be found without markers; add "
+                f"{{% generation %}} markers around the assistant's content in the template."
+            )
+        for t in range(_common(before, upto), len(upto)):
+            mask[t] = 1
+    return ids, mask
 
 
-def _ids(out: Any) -> list[int]:
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+def encode(example: dict[str, Any], tokenizer: Any, turns: str = "all") -> dict[str, list[int]]:
+    """``input_ids`` and ``labels`` (aligned, ``-100`` where not trained) of one example.
+
+    * ``{"messages": [...]}``: every assistant turn is labelled (TRL's
+      ``assistant_only_loss=True``); ``turns="last"``: only the last assistant turn.
+    * ``{"prompt": [...], "completion": [...]}`` (conversational prompt-completion): the
+      completion's assistant tokens, as TRL labels them (``completion_mask`` and
+      ``assistant_masks``; the completion starts where the prompt rendered with the
+      generation prompt and the whole conversation diverge).
+    * a TRL-prepared example (``input_ids`` with ``labels``, or with ``assistant_masks``
+      and/or ``completion_mask``): taken as it is, the masks turned into labels as TRL does.
+    """
+    if turns not in ("all", "last"):
+        raise ValueError(f"encode: turns must be 'all' or 'last', got {turns!r}.")
+    if "input_ids" in example:
+        ids = list(example["input_ids"])
+        if example.get("labels") is not None:
+            return {"input_ids": ids, "labels": list(example["labels"])}
+        masks = [example[k] for k in ("completion_mask", "assistant_masks") if example.get(k)]
+        labels = [t if all(m[i] for m in masks) else -100 for i, t in enumerate(ids)]
+        return {"input_ids": ids, "labels": labels}
+    if "prompt" in example:
+        ids, mask = assistant_mask(tokenizer, [*example["prompt"], *example["completion"]])
+        prompt = _render(tokenizer, example["prompt"], add_generation_prompt=True)["input_ids"]
+        start = _common(prompt, ids)
+        mask = [0] * start + mask[start:]
+    elif "messages" in example:
+        ids, mask = assistant_mask(tokenizer, example["messages"])
+    else:
+        raise ValueError(
+            f"encode: an example needs 'messages', 'prompt' and 'completion', or 'input_ids'; "
+            f"got the fields {sorted(example)}."
+        )
+    if turns == "last":
+        runs = _runs(mask)
+        mask = [0] * len(ids)
+        if runs:
+            mask[runs[-1][0] : runs[-1][1]] = [1] * (runs[-1][1] - runs[-1][0])
+    if 1 not in mask:
+        raise ValueError(
+            "encode: an example has no assistant tokens to train; the chat template may lack "
+            "the {% generation %} markers, or the conversation has no assistant turn."
+        )
+    return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+
+
+def truncate(example: dict[str, Any], max_length: int) -> dict[str, list[int]]:
+    """The first ``max_length`` tokens and labels (TRL's ``truncation_mode="keep_start"``)."""
+    return {
+        "input_ids": example["input_ids"][:max_length],
+        "labels": example["labels"][:max_length],
+    }
+
+
+def trains_something(example: dict[str, Any]) -> bool:
+    """Whether any label counts (TRL drops the examples that truncation left without one)."""
+    return any(label != -100 for label in example["labels"])
+
+
+def prepare(
+    dataset: Any,
+    tokenizer: Any,
+    max_length: int | None,
+    *,
+    turns: str = "all",
+    packing: bool = False,
+) -> Any:
+    """A ``datasets.Dataset`` of chat (or prompt-completion, or TRL-prepared) examples as
+    ``input_ids`` and ``labels``, as TRL's ``SFTTrainer`` prepares it: :func:`encode` mapped
+    over it (``datasets`` caches the result beside a dataset read from files), then, unless
+    ``packing``, truncated to ``max_length`` and the examples left with no label dropped.
+    Packed data is truncated per document by :func:`pack` instead, as TRL's does."""
+    columns = [c for c in dataset.column_names if c not in ("input_ids", "labels")]
+    dataset = dataset.map(
+        encode, fn_kwargs={"tokenizer": tokenizer, "turns": turns}, remove_columns=columns
+    )
+    if max_length is not None and not packing:
+        dataset = dataset.map(truncate, fn_kwargs={"max_length": max_length})
+        dataset = dataset.filter(trains_something)
+    return dataset
+
+
+# --------------------------------------------------------------------------- batches
 
 
 def _rows_multiple(n: int, multiple: int) -> int:
@@ -139,55 +316,188 @@ def pad(examples: Sequence[dict[str, Any]], pad_id: int, rows_multiple: int = 1)
     return {"input_ids": ids, "labels": labels}
 
 
-def pack(
-    examples: Sequence[dict[str, Any]], length: int, pad_id: int, rows_multiple: int = 1
-) -> dict:
-    """Pack the examples, in order, into rows of ``length`` tokens (a new row when the next
-    one does not fit). ``position_ids`` restart at 0 for each document, and
-    ``attention_mask`` is the additive ``[rows, 1, length, length]`` block-diagonal causal
-    mask: a token sees only the earlier tokens of its own document."""
-    rows: list[list[dict[str, Any]]] = [[]]
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of example indices, as TRL 1.16's ``pack_dataset(strategy="bfd")`` forms them:
+    longest first (ties in order), each into the open bin with the least room that fits it
+    (the earliest such bin), else into a new bin."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rooms: list[int] = []  # the distinct room left in open bins, ascending
+    by_room: dict[int, deque[list[int]]] = defaultdict(deque)
+    bins: list[list[int]] = []
+    for i in order:
+        n = lengths[i]
+        if n == 0:
+            continue
+        k = bisect.bisect_left(rooms, n)
+        if k < len(rooms):
+            room = rooms[k]
+            row = by_room[room].popleft()
+            if not by_room[room]:
+                rooms.pop(k)
+        else:
+            room, row = capacity, []
+            bins.append(row)
+        row.append(i)
+        room -= n
+        if room > 0:
+            if not by_room[room]:
+                bisect.insort(rooms, room)
+            by_room[room].append(row)
+    return bins
+
+
+def in_order(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of example indices in order: a new bin when the next example does not fit."""
+    bins: list[list[int]] = [[]]
     used = 0
-    for e in examples:
-        n = len(e["input_ids"])
-        if n > length:
-            raise ValueError(f"an example of {n} tokens does not fit a packed row of {length}")
-        if used + n > length:
-            rows.append([])
+    for i, n in enumerate(lengths):
+        if used + n > capacity:
+            bins.append([])
             used = 0
-        rows[-1].append(e)
+        bins[-1].append(i)
         used += n
-    count = _rows_multiple(len(rows), rows_multiple)
+    return [b for b in bins if b]
+
+
+def pack(
+    examples: Sequence[dict[str, Any]],
+    length: int,
+    pad_id: int,
+    rows_multiple: int = 1,
+    *,
+    strategy: str = "bfd",
+    overflow: str = "truncate",
+    mask: bool = True,
+) -> dict:
+    """Pack the examples into rows of ``length`` tokens.
+
+    Args:
+        examples: ``input_ids`` and ``labels`` (aligned) of each example.
+        length: tokens per row (TRL's ``max_length`` with ``packing=True``).
+        pad_id: the padding token.
+        rows_multiple: empty rows are added up to a multiple of it (the micro-batches).
+        strategy: ``"bfd"``, best-fit decreasing (TRL's default ``packing_strategy``: rows
+            are filled with the longest examples first, so there is less padding, and the
+            documents are reordered), or ``"in_order"`` (a new row when the next example does
+            not fit).
+        overflow: an example longer than ``length``: ``"truncate"`` keeps its first
+            ``length`` tokens (TRL's ``bfd``), ``"error"`` refuses it.
+        mask: add the additive ``[rows, 1, length, length]`` block-diagonal causal mask as
+            ``attention_mask`` (a token sees only the earlier tokens of its own document).
+            Without it, the attention must isolate documents from ``position_ids``, which
+            transformers' sdpa and eager attention do only with ``use_cache=False``.
+
+    ``position_ids`` restart at 0 for each document (and are 0 on padding); each document's
+    first label is -100, so that no document is trained to predict the next one's first
+    token (``DataCollatorWithFlattening``'s and TRL's ``padding_free`` convention).
+    """
+    if strategy not in ("bfd", "in_order"):
+        raise ValueError(f"pack: strategy must be 'bfd' or 'in_order', got {strategy!r}.")
+    if overflow not in ("truncate", "error"):
+        raise ValueError(f"pack: overflow must be 'truncate' or 'error', got {overflow!r}.")
+    lengths = [len(e["input_ids"]) for e in examples]
+    for i, n in enumerate(lengths):
+        if n > length and overflow == "error":
+            raise ValueError(
+                f"pack: example {i} has {n} tokens, over the packed row's {length} "
+                f"(overflow='error'). Pass overflow='truncate' to keep its first {length} "
+                f"tokens, as TRL's packing does, or a longer row."
+            )
+    lengths = [min(n, length) for n in lengths]
+    bins = (best_fit_decreasing if strategy == "bfd" else in_order)(lengths, length)
+    count = _rows_multiple(len(bins), rows_multiple)
     ids = torch.full((count, length), pad_id)
     labels = torch.full((count, length), -100)
     positions = torch.zeros((count, length), dtype=torch.long)
     document = torch.full((count, length), -1)
-    for r, row in enumerate(rows):
+    for r, row in enumerate(bins):
         at = 0
-        for d, e in enumerate(row):
-            n = len(e["input_ids"])
-            ids[r, at : at + n] = torch.tensor(e["input_ids"])
-            labels[r, at : at + n] = torch.tensor(e["labels"])
+        for d, i in enumerate(row):
+            n = lengths[i]
+            ids[r, at : at + n] = torch.tensor(examples[i]["input_ids"][:n])
+            labels[r, at : at + n] = torch.tensor(examples[i]["labels"][:n])
+            labels[r, at] = -100
             positions[r, at : at + n] = torch.arange(n)
             document[r, at : at + n] = d
             at += n
-    same = document[:, :, None] == document[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    # Padding attends to itself only, so that no row of the softmax is empty.
-    allowed = (same & causal) | torch.eye(length, dtype=torch.bool)
-    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    if mask:
+        same = document[:, :, None] == document[:, None, :]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        # Padding attends to itself only, so that no row of the softmax is empty.
+        allowed = (same & causal) | torch.eye(length, dtype=torch.bool)
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        out["attention_mask"] = additive[:, None]
+    return out
+
+
+# --------------------------------------------------------------------------- preference pairs
+
+
+def write_preferences(path: str, n: int = 64, seed: int = 0) -> None:
+    """``n`` preference pairs in TRL's conversational format: a ``prompt`` (a user turn, some
+    after a system prompt), the right answer ``chosen`` and a wrong one ``rejected``."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            question, answer = _task(rng)
+            wrong = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+            prompt = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.25 else []
+            prompt.append({"role": "user", "content": question})
+            pair = {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+            f.write(json.dumps(pair) + "\n")
+
+
+def encode_preference(example: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one conversational pair, as TRL's
+    ``DPOTrainer`` tokenizes it: the completions start where the prompt rendered with the
+    generation prompt and each whole conversation diverge (the earlier of the two)."""
+    prompt = _render(tokenizer, example["prompt"], add_generation_prompt=True)["input_ids"]
+    chosen = _render(tokenizer, [*example["prompt"], *example["chosen"]])["input_ids"]
+    rejected = _render(tokenizer, [*example["prompt"], *example["rejected"]])["input_ids"]
+    start = min(_common(prompt, chosen), _common(prompt, rejected))
     return {
-        "input_ids": ids,
-        "labels": labels,
-        "position_ids": positions,
-        "attention_mask": mask[:, None],
+        "prompt_ids": list(prompt[:start]),
+        "chosen_ids": list(chosen[start:]),
+        "rejected_ids": list(rejected[start:]),
     }
 
 
+def preference_batch(
+    pairs: Sequence[dict[str, Any]], pad_id: int, max_length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Chosen and rejected sequences of each pair, cut to ``max_length`` (TRL's
+    ``keep_start``) and right-padded to one length: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (``[pairs, length]``; labels aligned with the
+    ids, -100 on the prompt and padding). Row ``i`` of each is pair ``i``, so a batch split
+    along dim 0 keeps pairs whole."""
+    rows: dict[str, list[dict[str, list[int]]]] = {"chosen": [], "rejected": []}
+    for p in pairs:
+        for side in rows:
+            ids = [*p["prompt_ids"], *p[f"{side}_ids"]]
+            labels = [-100] * len(p["prompt_ids"]) + list(p[f"{side}_ids"])
+            if max_length is not None:
+                ids, labels = ids[:max_length], labels[:max_length]
+            rows[side].append({"input_ids": ids, "labels": labels})
+    length = max(len(r["input_ids"]) for side in rows.values() for r in side)
+    out = {}
+    for side, examples in rows.items():
+        padded = pad(
+            [*examples, {"input_ids": [pad_id] * length, "labels": [-100] * length}], pad_id
+        )
+        out[f"{side}_input_ids"] = padded["input_ids"][:-1]
+        out[f"{side}_labels"] = padded["labels"][:-1]
+    return out
+
+
 class Batches:
-    """This data rank's batches, epoch after epoch: a ``StatefulDataLoader`` over a
-    ``DistributedSampler`` (shuffled per epoch with ``seed``), each batch collated by
-    ``collate``. :meth:`position` and :meth:`restore` save and set where it is."""
+    """This data rank's batches, epoch after epoch: a ``StatefulDataLoader`` over a list or a
+    ``datasets.Dataset`` of examples with a ``DistributedSampler`` (shuffled per epoch with
+    ``seed``), each batch collated by ``collate``. :meth:`position` and :meth:`restore` save and set where it is."""
 
     def __init__(
         self,
@@ -201,11 +511,13 @@ class Batches:
         from torch.utils.data import DistributedSampler
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        # A list, or a datasets.Dataset read row by row (its map-style __getitem__).
+        data = examples if hasattr(examples, "column_names") else list(examples)
         self.sampler = DistributedSampler(
-            list(examples), num_replicas=ranks, rank=rank, shuffle=True, seed=seed, drop_last=True
+            data, num_replicas=ranks, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
         self.loader = StatefulDataLoader(
-            list(examples), batch_size=batch_size, sampler=self.sampler, collate_fn=collate
+            data, batch_size=batch_size, sampler=self.sampler, collate_fn=collate
         )
         self.epoch = 0
         self.iterator: Any = None

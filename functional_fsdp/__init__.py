@@ -5,7 +5,11 @@ data (a :class:`P` per tensor), and ``shard``/``gather``/``reshard`` move values
 layouts with explicit, differentiable collectives.
 """
 
+from . import contrib as contrib
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
+from ._dpo import dpo_loss as dpo_loss
+from ._lm_losses import causal_lm_loss as causal_lm_loss
+from ._lm_losses import sequence_logps as sequence_logps
 from ._loss import SumCount as SumCount
 from ._partition import combine as combine
 from ._partition import partition as partition
@@ -233,6 +237,7 @@ __all__ = [
     "apply_updates",
     "axis_size",
     "axis_sizes",
+    "causal_lm_loss",
     "chain",
     "check_collectives",
     "checkpoint",
@@ -242,12 +247,14 @@ __all__ = [
     "combine",
     "compare_strategies",
     "constant_schedule",
+    "contrib",
     "copy_to",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "count_comms",
     "describe",
     "divide_by_tp",
+    "dpo_loss",
     "ema",
     "end_simulation",
     "exponential_decay",
@@ -305,6 +312,7 @@ __all__ = [
     "scale_by_trust_ratio",
     "scatter_to",
     "seeded",
+    "sequence_logps",
     "sgd",
     "sgdr_schedule",
     "shard",

@@ -1,22 +1,23 @@
-"""Worker functions for the supervised fine-tuning data tests: padded and packed batches of
-chat data give the same token mean, on one process and on 2 gloo ranks."""
+"""Worker functions for the supervised fine-tuning tests (``examples/sft_data.py``): chat
+data labelled as TRL labels it, padded and packed, on one process and on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import importlib.util
+import random
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import functional_fsdp as ff
 
 from ._hf import tiny_llama_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MAX_LENGTH = 40  # TRL's max_length: some conversations are truncated, one is dropped
 
 
 def sft_data() -> Any:
@@ -29,18 +30,42 @@ def sft_data() -> Any:
     return sys.modules["sft_data"]
 
 
-def chat_examples(n: int = 16) -> tuple[list[dict[str, Any]], int, int]:
-    """``n`` encoded chat examples (prompt masked), the pad id and the vocabulary size."""
+def conversations() -> list[list[dict[str, str]]]:
+    """12 chat conversations (8 multi-turn, 3 with a system prompt), then one whose prompt
+    alone is longer than ``MAX_LENGTH`` (TRL drops it after truncation)."""
+    D = sft_data()
+    with tempfile.TemporaryDirectory() as folder:
+        D.write_instructions(f"{folder}/data.jsonl", 12, seed=3)
+        out = D.read_instructions(f"{folder}/data.jsonl")
+    words = " ".join(random.Random(1).choice(D.WORDS) for _ in range(60))
+    return [
+        *out,
+        [{"role": "user", "content": f"count: {words}"}, {"role": "assistant", "content": "60"}],
+    ]
+
+
+def tokenizer(template: str | None = None) -> Any:
+    """The tokenizer trained on :func:`conversations`, with ``template`` (default: the
+    example's, with ``{% generation %}`` markers)."""
     from transformers import AutoTokenizer
 
     D = sft_data()
     with tempfile.TemporaryDirectory() as folder:
-        D.write_instructions(f"{folder}/data.jsonl", n, seed=3)
-        conversations = D.read_instructions(f"{folder}/data.jsonl")
-        D.chat_tokenizer(conversations, folder)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    examples = [D.encode(c, tokenizer, 48) for c in conversations]
-    return examples, tokenizer.pad_token_id, -(-len(tokenizer) // 8) * 8
+        D.chat_tokenizer(conversations(), folder, template or D.CHAT_TEMPLATE)
+        return AutoTokenizer.from_pretrained(folder)
+
+
+def vocab_size(tok: Any) -> int:
+    return -(-len(tok) // 8) * 8
+
+
+def chat_examples(packing: bool = False) -> list[dict[str, list[int]]]:
+    """The conversations prepared as TRL's SFTTrainer prepares them (``max_length`` 40)."""
+    from datasets import Dataset
+
+    D = sft_data()
+    data = Dataset.from_list([{"messages": c} for c in conversations()])
+    return list(D.prepare(data, tokenizer(), MAX_LENGTH, packing=packing))
 
 
 def llama(vocab: int) -> torch.nn.Module:
@@ -49,56 +74,57 @@ def llama(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = tiny_llama_config(vocab_size=vocab, max_position_embeddings=64)
     config._attn_implementation = "sdpa"
+    config.use_cache = False
     return LlamaForCausalLM(config)
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return total, (labels != -100).sum()
+def batch_of(batching: str, examples: list[dict[str, Any]], pad_id: int, rows: int = 1) -> dict:
+    D = sft_data()
+    if batching == "pad":
+        return D.pad(examples, pad_id, rows_multiple=rows)
+    return D.pack(examples, MAX_LENGTH, pad_id, rows_multiple=rows, mask=batching == "pack")
 
 
 def one_process(batching: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """The sum, count and gradients of the sum on one process, all examples in one batch."""
-    D = sft_data()
-    examples, pad_id, vocab = chat_examples()
-    model = llama(vocab)
+    """The token mean, count and gradients on one process, all examples in one batch
+    (``batching``: "pad", "pack" with the block-diagonal mask, "pack_positions" without)."""
+    tok = tokenizer()
+    examples = chat_examples(packing=batching != "pad")
+    model = llama(vocab_size(tok))
     params = {n: p.detach() for n, p in model.named_parameters()}
-    batch = D.pack(examples, 48, pad_id) if batching == "pack" else D.pad(examples, pad_id)
+    batch = batch_of(batching, examples, tok.pad_token_id)
 
     def loss(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = torch.func.functional_call(model, p, (), inputs).logits
-        return token_loss(logits, batch["labels"])
+        total, count = ff.causal_lm_loss(logits, batch["labels"])
+        return total / count, count
 
-    grads, (total, count) = torch.func.grad_and_value(loss, has_aux=True)(params)
-    return total, count, grads
+    grads, (mean, count) = torch.func.grad_and_value(loss, has_aux=True)(params)
+    return mean, count, grads
 
 
 def gloo_pad_vs_pack() -> dict[str, Any]:
-    """One SGD step (learning rate 1) on this rank's share, padded and packed separately
-    (``batch="local"``, 2 micro-batches): losses, counts and gradients of each."""
+    """One SGD step (learning rate 1) on this rank's share, padded and packed (best fit)
+    separately (``batch="local"``, 2 micro-batches): losses, counts and gradients of each."""
     import torch.distributed as dist
 
-    D = sft_data()
-    examples, pad_id, vocab = chat_examples()
+    tok = tokenizer()
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    share = examples[rank * len(examples) // ranks : (rank + 1) * len(examples) // ranks]
     out: dict[str, Any] = {}
     for batching in ("pad", "pack"):
-        model = llama(vocab)
-        mesh = ff.make_mesh({"dp": ranks})
-        sm = ff.fsdp(model, mesh)
+        examples = chat_examples(packing=batching == "pack")
+        share = examples[rank * len(examples) // ranks : (rank + 1) * len(examples) // ranks]
+        model = llama(vocab_size(tok))
+        sm = ff.fsdp(model, ff.make_mesh({"dp": ranks}))
 
         def loss_fn(p: Any, b: dict[str, torch.Tensor]) -> Any:
             inputs = {k: v for k, v in b.items() if k != "labels"}
-            return token_loss(sm.apply(p, **inputs).logits, b["labels"])
+            return ff.causal_lm_loss(sm.apply(p, **inputs).logits, b["labels"])
 
         opt = ff.sgd(1.0)
         step = ff.train_step(loss_fn, opt, model=sm, batch="local", accumulate=2)
-        if batching == "pack":
-            batch = D.pack(share, 48, pad_id, rows_multiple=2)
-        else:
-            batch = D.pad(share, pad_id, rows_multiple=2)
+        batch = batch_of(batching, share, tok.pad_token_id, rows=2)
         params = sm.shard()
         new, metrics = step(ff.TrainState.create(params, opt), batch)
         before, after = ff.gather(params), ff.gather(new.params)

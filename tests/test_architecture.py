@@ -25,11 +25,21 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moves", ("_buckets", "resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys
     (
         "engines",
-        ("formats", "fsdp", "tp", "optim"),
-    ),  # FSDP.apply, TP, optimizers, quantized formats
+        ("formats", "fsdp", "tp", "optim", "contrib"),
+    ),  # FSDP.apply, TP, optimizers (contrib: optax.contrib's names), quantized formats
     (
         "steps",
-        ("grad_engine", "_loss", "train", "checkpoint", "models", "compiled", "_inductor_passes"),
+        (
+            "grad_engine",
+            "_loss",
+            "_lm_losses",
+            "_dpo",
+            "train",
+            "checkpoint",
+            "models",
+            "compiled",
+            "_inductor_passes",
+        ),
     ),
     ("planner", ("planner",)),  # prices strategies by running the engines
     ("tools", ("display", "plot", "launcher")),  # pictures, the process launcher

@@ -195,3 +195,20 @@ def test_finetune_sft_packed_qlora_resumes_exactly(tmp_path):
     assert "resumed at step 2" in out, out
     resumed = re.search(r"steps 2\.\.3: loss [\d.]+ -> ([\d.]+)", out)
     assert resumed and resumed.group(1) == first.group(2), out
+
+
+def test_finetune_dpo_full_with_a_sharded_reference_resumes_exactly(tmp_path):
+    """DPO with every weight trained and a frozen reference sharded on the same mesh: the
+    first loss is log 2 (the policy starts as the reference), and a run resumed from a
+    checkpoint (train state and loader position) ends on the uninterrupted run's loss."""
+    ckpt = str(tmp_path / "ckpt")
+    args = ["--full", "--steps", "3", "--save-every", "2", "--checkpoint-dir", ckpt]
+    args += ["--pairs", "16", "--batch-size", "2"]
+    out = _torchrun("examples/finetune_dpo.py", *args)
+    first = re.search(r"steps 0\.\.3: loss ([\d.]+) -> ([\d.]+); reward accuracy", out)
+    assert first and abs(float(first.group(1)) - 0.693147) < 1e-5, out
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000003")
+    out = _torchrun("examples/finetune_dpo.py", *args, "--resume")
+    assert "resumed at step 2" in out, out
+    resumed = re.search(r"steps 2\.\.3: loss [\d.]+ -> ([\d.]+)", out)
+    assert resumed and resumed.group(1) == first.group(2), out

@@ -1,65 +1,190 @@
-"""Supervised fine-tuning data (``examples/sft_data.py``): chat examples with the prompt
-masked, padded or packed with per-document positions and a block-diagonal mask, give one
-process's token mean, on one process and on 2 gloo ranks; the sharded loader resumes
-exactly where it was."""
+"""Supervised fine-tuning data (``examples/sft_data.py``) against TRL 1.16's ``SFTTrainer``
+on the same chat conversations, tokenizer and tiny Llama: the labels and trained positions
+(every assistant turn, ``assistant_only_loss=True``; prompt-completion data), ``max_length``
+truncation and dropping, best-fit-decreasing packing, and the step's loss and gradients,
+padded and packed, on one process and on 2 gloo ranks. The sharded loader resumes exactly."""
 
 from __future__ import annotations
+
+import tempfile
+import warnings
+from typing import Any
 
 import pytest
 import torch
 
 from . import _sft_workers as W
 
-
-def test_prompt_is_masked_and_the_answer_labelled() -> None:
-    examples, _, _ = W.chat_examples(4)
-    for e in examples:
-        labels = torch.tensor(e["labels"])
-        counted = (labels != -100).nonzero().flatten()
-        assert len(e["input_ids"]) == len(e["labels"]) and len(counted) > 0
-        # the prompt is unlabelled, the answer a contiguous run to the end
-        assert counted.tolist() == list(range(counted[0].item(), len(labels)))
-        assert counted[0] > 3
+D = W.sft_data()
 
 
-def test_packed_equals_padded_on_one_process() -> None:
-    pad_sum, pad_count, pad_grads = W.one_process("pad")
-    pack_sum, pack_count, pack_grads = W.one_process("pack")
-    assert pad_count == pack_count
-    torch.testing.assert_close(pack_sum, pad_sum, rtol=1e-5, atol=1e-5)
-    for name, g in pad_grads.items():
-        torch.testing.assert_close(pack_grads[name], g, rtol=1e-4, atol=1e-5)
+@pytest.fixture(scope="module")
+def trl() -> dict[str, Any]:
+    """TRL's prepared datasets, and its loss and gradients on all of them in one batch."""
+    with warnings.catch_warnings():
+        for message in TRL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        return run_trl()
 
 
-def test_packed_equals_padded_on_two_ranks(pools) -> None:
+# Warnings TRL 1.16 and transformers 5.24 give on this setup, none about the numbers.
+TRL_WARNINGS = [
+    "`gradient_checkpointing` is deprecated",  # SFTConfig's default meets transformers 5.24's rename
+    "`is_gradient_checkpointing` is deprecated",  # DPOTrainer reads the old name
+]
+
+
+def run_trl() -> dict[str, Any]:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    tok = W.tokenizer()
+    chats = Dataset.from_list([{"messages": c} for c in W.conversations()])
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, packing in (("pad", False), ("pack", True)):
+            args = SFTConfig(
+                output_dir=folder,
+                assistant_only_loss=True,
+                max_length=W.MAX_LENGTH,
+                packing=packing,
+                report_to=[],
+                use_cpu=True,
+            )
+            model = W.llama(W.vocab_size(tok))
+            trainer = SFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tok)
+            data = trainer.train_dataset
+            batch = trainer.data_collator(list(data))
+            loss = trainer.compute_loss(model, batch)
+            loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            out[name] = {"data": data, "loss": loss.detach(), "grads": grads, "batch": batch}
+        # prompt-completion data: the first turn of each conversation as the prompt
+        split = [
+            {
+                "prompt": c[: next(i for i, m in enumerate(c) if m["role"] == "user") + 1],
+                "completion": c[next(i for i, m in enumerate(c) if m["role"] == "user") + 1 :],
+            }
+            for c in W.conversations()
+        ]
+        args = SFTConfig(
+            output_dir=folder, assistant_only_loss=True, max_length=None, report_to=[], use_cpu=True
+        )
+        model = W.llama(W.vocab_size(tok))
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=Dataset.from_list(split), processing_class=tok
+        )
+        out["prompt_completion"] = {"data": trainer.train_dataset, "examples": split}
+    return out
+
+
+def test_labels_are_trls_every_assistant_turn_trained(trl) -> None:
+    """``assistant_only_loss=True``: every assistant turn; ``max_length`` keeps 40 tokens and
+    the example with nothing left to train is dropped; with or without the template's
+    ``{% generation %}`` markers."""
+    theirs = trl["pad"]["data"]
+    chats = W.conversations()
+    assert len(theirs) == len(chats) - 1  # the over-long prompt is dropped
+    ours = W.chat_examples()
+    assert [e["input_ids"] for e in ours] == theirs["input_ids"]
+    assert [e["labels"] for e in ours] == theirs["labels"]
+    assert max(len(e["input_ids"]) for e in ours) == W.MAX_LENGTH
+    multi = [e for e, c in zip(ours, chats) if sum(m["role"] == "assistant" for m in c) > 1]
+    assert len(multi) >= 5 and all(
+        len(D._runs([x != -100 for x in e["labels"]])) > 1 for e in multi
+    )
+    plain = W.tokenizer(D.PLAIN_TEMPLATE)  # no markers: turns found from rendered prefixes
+    assert [D.encode({"messages": c}, plain) for c in chats] == [
+        D.encode({"messages": c}, W.tokenizer()) for c in chats
+    ]
+    # TRL-prepared examples are taken as they are
+    assert [D.encode(e, None) for e in theirs] == [
+        {"input_ids": e["input_ids"], "labels": e["labels"]} for e in theirs
+    ]
+
+
+def test_last_turn_only_labels_a_subset() -> None:
+    tok = W.tokenizer()
+    for c in W.conversations():
+        every = D.encode({"messages": c}, tok)["labels"]
+        last = D.encode({"messages": c}, tok, turns="last")["labels"]
+        runs = D._runs([x != -100 for x in every])
+        assert D._runs([x != -100 for x in last]) == runs[-1:]
+
+
+def test_prompt_completion_labels_are_trls(trl) -> None:
+    tok = W.tokenizer()
+    theirs = trl["prompt_completion"]["data"]
+    ours = [D.encode(e, tok) for e in trl["prompt_completion"]["examples"]]
+    assert [e["input_ids"] for e in ours] == theirs["input_ids"]
+    assert [e["labels"] for e in ours] == theirs["labels"]
+
+
+def test_best_fit_packing_is_trls(trl) -> None:
+    """The same rows as TRL's ``packing_strategy="bfd"`` (documents reordered, the over-long
+    one truncated), each document's first label -100 as TRL's padding-free collator sets it."""
+    theirs = trl["pack"]["data"]
+    batch = D.pack(W.chat_examples(packing=True), W.MAX_LENGTH, 0)
+    assert len(batch["input_ids"]) == len(theirs)
+    for r, row in enumerate(theirs):
+        n = sum(row["seq_lengths"])
+        assert batch["input_ids"][r, :n].tolist() == row["input_ids"]
+        starts = torch.tensor(row["seq_lengths"]).cumsum(0)[:-1].tolist()
+        assert (batch["position_ids"][r, :n] == 0).nonzero().flatten().tolist() == [0, *starts]
+    flat = trl["pack"]["batch"]
+    ours = torch.cat(
+        [batch["labels"][r, : sum(row["seq_lengths"])] for r, row in enumerate(theirs)]
+    )
+    assert ours.tolist() == flat["labels"][0].tolist()
+    in_order = D.pack(W.chat_examples(packing=True), W.MAX_LENGTH, 0, strategy="in_order")
+    assert len(in_order["input_ids"]) > len(batch["input_ids"])  # best fit pads less
+    with pytest.raises(ValueError, match=r"example \d+ has \d+ tokens, over the packed row's 40"):
+        D.pack(W.chat_examples(packing=True), W.MAX_LENGTH, 0, overflow="error")
+
+
+@pytest.mark.parametrize("batching", ["pad", "pack", "pack_positions"])
+def test_loss_and_gradients_are_trls_on_one_process(trl, batching: str) -> None:
+    """Padded, packed with the block-diagonal mask, and packed with ``position_ids`` alone
+    (sdpa, ``use_cache=False``): TRL's loss and gradients (its padded and its padding-free
+    packed batch)."""
+    ref = trl["pad" if batching == "pad" else "pack"]
+    mean, _, grads = W.one_process(batching)
+    torch.testing.assert_close(mean, ref["loss"], rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trl["pack"]["loss"], trl["pad"]["loss"], rtol=1e-6, atol=1e-6)
+
+
+def test_packed_and_padded_steps_on_two_ranks_are_trls(trl, pools) -> None:
     """Each rank pads or packs its own share (batch='local', 2 micro-batches): the step's
-    loss and gradients are one process's token mean of all examples either way."""
-    total, count, grads = W.one_process("pad")
+    loss and gradients are TRL's token mean of all the examples either way."""
     results = pools.run(2, W.gloo_pad_vs_pack)
     assert results[0]["pad"]["shape"] != results[0]["pack"]["shape"]
     for batching in ("pad", "pack"):
-        got = results[0][batching]
-        assert int(got["count"]) == int(count)
-        torch.testing.assert_close(got["loss"], total / count, rtol=1e-5, atol=1e-6)
-        for name, g in grads.items():
-            torch.testing.assert_close(got["grads"][name], g / count, rtol=1e-4, atol=1e-6)
+        got, ref = results[0][batching], trl[batching]
+        torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_loader_resumes_exactly_across_epochs(rank: int) -> None:
-    D = W.sft_data()
+    from datasets import Dataset
+
     examples = [{"input_ids": [i] * (1 + i % 5), "labels": [i] * (1 + i % 5)} for i in range(20)]
 
-    def loader() -> D.Batches:
-        return D.Batches(examples, 3, lambda b: D.pad(b, 0), rank=rank, ranks=2, seed=7)
+    def loader(data: Any) -> Any:
+        return D.Batches(data, 3, lambda b: D.pad(b, 0), rank=rank, ranks=2, seed=7)
 
-    run = loader()
+    run = loader(examples)
     seen = [next(run)["input_ids"] for _ in range(4)]  # an epoch is 3 batches per rank
     saved = run.position()
     rest = [next(run)["input_ids"] for _ in range(5)]
-    resumed = loader()
-    resumed.restore(saved)
-    assert all(torch.equal(a, b) for a, b in zip(rest, [next(resumed)["input_ids"] for _ in rest]))
+    for data in (examples, Dataset.from_list(examples)):  # a list, or a datasets.Dataset
+        resumed = loader(data)
+        resumed.restore(saved)
+        got = [next(resumed)["input_ids"] for _ in rest]
+        assert all(torch.equal(a, b) for a, b in zip(rest, got))
     # epochs are reshuffled, and the other rank reads other examples
     assert not torch.equal(seen[0], seen[3]) or not torch.equal(seen[1], rest[0])

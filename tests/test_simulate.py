@@ -4,6 +4,7 @@ shapes-only simulation against real runs."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -319,6 +320,24 @@ def test_the_mesh_grid_is_read_once_per_mesh(monkeypatch):
             coord = coordinate_of(mesh, r)
             assert int(expected[coord["dp"], coord["tp"]]) == r and rank_at(mesh, coord) == r
         assert all(torch.equal(ff.rank_values(full[k])[-1], v) for k, v in params.items())
+
+
+def test_the_mesh_grid_outlives_an_equal_mesh(monkeypatch):
+    # Two tests in one worker make equal meshes; when the first dies, the second's grid must
+    # stay cached (it was dropped with the first, then read again inside ff.jit's trace).
+    with ff.simulated_mesh({"dp": 2}) as first:
+        mesh_grid(first)
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        assert mesh == first and mesh is not first
+        grid = mesh_grid(mesh)
+        del first
+        gc.collect()
+
+        def unread(self):
+            raise AssertionError("the mesh was read again")
+
+        monkeypatch.setattr(DeviceMesh, "mesh", property(unread))
+        assert mesh_grid(mesh) is grid
 
 
 def _count_dispatches(monkeypatch, fn) -> int:

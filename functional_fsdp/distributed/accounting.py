@@ -22,11 +22,12 @@ class CommRecord:
     """One collective issued by this rank.
 
     Attributes:
-        kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_to_all"``.
         axis: the mesh axis it ran over.
         group_size: ranks in the group.
         bytes: bytes this rank sends in a ring implementation: ``(n-1)/n`` of the gathered
-            (all-gather) or input (reduce-scatter) buffer, twice that for all-reduce.
+            (all-gather) or input (reduce-scatter) buffer, twice that for all-reduce; for
+            all-to-all, what it sends to the other ranks.
         dtype: element type of the buffer.
 
     Example:
@@ -158,7 +159,10 @@ def record(
     if counters is None:
         counters = _COUNTERS.get()
     if counters:
-        factor = 2 if kind == "all_reduce" else 1
-        rec = CommRecord(kind, axis, n, factor * buffer_bytes * (n - 1) // n, dtype)
+        if kind == "all_to_all":  # the caller counts what it sends to the others
+            sent = buffer_bytes
+        else:
+            sent = (2 if kind == "all_reduce" else 1) * buffer_bytes * (n - 1) // n
+        rec = CommRecord(kind, axis, n, sent, dtype)
         for c in counters:
             c.records.append(rec)

@@ -174,7 +174,10 @@ class MeshGrid:
         return self.ranks[index]
 
 
-_GRIDS: weakref.WeakKeyDictionary[DeviceMesh, MeshGrid] = weakref.WeakKeyDictionary()
+# Keyed by the mesh's identity, not its equality: two equal meshes (the same names and ranks,
+# made by two tests in one worker) would share one WeakKeyDictionary entry, which goes when
+# the first of them dies, and the living one would then be read again, inside a trace.
+_GRIDS: dict[int, tuple[weakref.ref[DeviceMesh], MeshGrid]] = {}
 
 
 def mesh_grid(mesh: DeviceMesh) -> MeshGrid:
@@ -184,9 +187,17 @@ def mesh_grid(mesh: DeviceMesh) -> MeshGrid:
     rank, so reading it per parameter and rank cost O(ranks²) each. The grid is read once,
     outside any ``torch.func`` transform and outside the simulation.
     """
-    grid = _GRIDS.get(mesh)
-    if grid is None:
-        grid = _GRIDS[mesh] = _read_grid(mesh)
+    entry = _GRIDS.get(id(mesh))
+    if entry is not None and entry[0]() is mesh:
+        return entry[1]
+    grid = _read_grid(mesh)
+    key = id(mesh)
+
+    def forget(ref: weakref.ref[DeviceMesh]) -> None:
+        if _GRIDS.get(key, (None,))[0] is ref:
+            del _GRIDS[key]
+
+    _GRIDS[key] = (weakref.ref(mesh, forget), grid)
     return grid
 
 

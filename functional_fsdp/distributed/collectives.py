@@ -25,6 +25,8 @@ The names of those modules that the rest of the library uses are re-exported her
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -337,6 +339,68 @@ def raw_all_reduce(
             )
         issued += 1
     return wait(x) / total if op == "mean" else x
+
+
+_MESH_GROUPS: weakref.WeakKeyDictionary[DeviceMesh, str] = weakref.WeakKeyDictionary()
+
+
+def _mesh_group_name(mesh: DeviceMesh) -> str:
+    """The process group over all of ``mesh``'s ranks, in row-major coordinate order.
+
+    A 1-D mesh's own group; for more axes, the mesh flattened into one (``DeviceMesh._flatten``
+    makes a new group: a collective over the mesh the first time, cached with the mesh).
+    """
+    names = axis_sizes(mesh)
+    if len(names) == 1:
+        return _group_name(mesh, next(iter(names)))
+    name = _MESH_GROUPS.get(mesh)
+    if name is None:
+        flat = mesh._flatten("+".join(names))
+        name = _MESH_GROUPS[mesh] = flat.get_group().group_name
+    return name
+
+
+def raw_all_to_all(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+    *,
+    counters: Counters = None,
+    meta: Any = None,
+) -> torch.Tensor:
+    """Send consecutive chunks of the flat ``x``, ``send_sizes[k]`` elements to the mesh's
+    ``k``-th rank, and receive ``recv_sizes[k]`` elements from each: one all-to-all over all
+    of ``mesh``'s axes at once (ranks in row-major coordinate order). Waits; not
+    differentiable.
+
+    Recorded as kind ``"all_to_all"`` over the axes joined by ``+`` (``"dp+tp"``), with the
+    bytes this rank sends to the others (its own chunk stays). ``meta`` is accepted for the
+    signature of the other raw collectives; the debug check of :func:`check_collectives`
+    does not cover all-to-alls (their sizes differ by rank by design).
+    """
+    sizes = axis_sizes(mesh)
+    n = math.prod(sizes.values())
+    if len(send_sizes) != n or len(recv_sizes) != n or sum(send_sizes) != x.numel():
+        raise ValueError(
+            f"all_to_all over {'+'.join(sizes)}: {len(send_sizes)} send and {len(recv_sizes)} "
+            f"receive sizes for {n} ranks, {sum(send_sizes)} elements to send of {x.numel()}"
+        )
+    if n == 1:
+        return x.reshape(-1)
+    axis = "+".join(sizes)
+    me = local_coordinate(mesh)
+    index = 0
+    for name, size in sizes.items():
+        index = index * size + me[name]
+    sent = (sum(send_sizes) - send_sizes[index]) * x.element_size()
+    record("all_to_all", axis, n, sent, x.dtype, counters)
+    what: What = ("all_to_all", mesh, axis, x.shape, x.dtype)
+    with torch.no_grad():
+        out = torch.ops._c10d_functional.all_to_all_single(
+            _contiguous(x.reshape(-1)), list(recv_sizes), list(send_sizes), _mesh_group_name(mesh)
+        )
+        return wait_tensor(out, what)
 
 
 def release(*buffers: torch.Tensor) -> None:

@@ -705,6 +705,8 @@ def plan(
         # sends under twice the payload. Gradient buckets are far larger.
         if kind == "all_reduce" and nbytes < 64:
             return "step"
+        if kind == "all_to_all":  # the optimizer's: Muon's matrices to their owners and back
+            return "step"
         if axis not in data_set:
             return "tp"
         if (zero and kind == "all_gather") or (zero1 and kind == "reduce_scatter"):
@@ -732,7 +734,12 @@ def plan(
     else:
         path, n_blocks = blocks
         runs = [count(_run.shortened(model, path, keep)) for keep in _run.SHORT]
-        counts = _run.extrapolate(runs, n_blocks)
+        if any(k[0] == "all_to_all" for r in runs for k in r):
+            # An optimizer that sends whole matrices to owners balanced over the model
+            # (Muon) is not affine in the number of blocks: count the whole model.
+            counts = count(model)
+        else:
+            counts = _run.extrapolate(runs, n_blocks)
     if batch is None:  # tensor-parallel traffic scales with the batch: none without one
         counts = {k: v for k, v in counts.items() if k[2] != "tp"}
     comms = tuple(CommFigure(k, a, n, b, src) for (k, a, src), (n, b) in sorted(counts.items()))

@@ -259,7 +259,7 @@ def vocab_parallel_cross_entropy(
     axis: str = "tp",
     *,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum"] = "mean",
+    reduction: Literal["mean", "sum", "none"] = "mean",
 ) -> torch.Tensor:
     """Mean cross entropy over logits split along the vocabulary (last dim) over ``axis``.
 
@@ -277,7 +277,8 @@ def vocab_parallel_cross_entropy(
         ignore_index: targets with this value do not count.
         reduction: ``"mean"`` over the counted targets, or ``"sum"`` (as
             ``F.cross_entropy``'s): with the count ``(targets != ignore_index).sum()``, the
-            ``(sum, count)`` loss of ``train_step``, whose step divides by the global count.
+            ``(sum, count)`` loss of ``train_step``, whose step divides by the global count;
+            or ``"none"``: each target's loss, in ``targets``' shape (``0`` where ignored).
 
     Example:
         >>> import torch, torch.nn.functional as F, functional_fsdp as ff
@@ -288,12 +289,13 @@ def vocab_parallel_cross_entropy(
         ...     torch.allclose(ff.rank_values(loss)[0], F.cross_entropy(full, tgt))
         True
     """
-    if reduction not in ("mean", "sum"):
+    if reduction not in ("mean", "sum", "none"):
         raise ValueError(
-            f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}."
+            f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
+            f"{reduction!r}."
         )
     _size(mesh, axis, "vocab_parallel_cross_entropy")
-    vocab = logits.shape[-1]
+    vocab, shape = logits.shape[-1], targets.shape
     logits = logits.reshape(-1, vocab).float()
     targets = targets.reshape(-1)
     with torch.no_grad():
@@ -307,6 +309,8 @@ def vocab_parallel_cross_entropy(
     losses = sum_exp.log() - target_logit
     valid = targets != ignore_index
     losses = torch.where(valid, losses, torch.zeros_like(losses))
+    if reduction == "none":
+        return losses.reshape(shape)
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / valid.sum().clamp(min=1)
