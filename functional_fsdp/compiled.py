@@ -554,23 +554,18 @@ def _backend(backend: str, graph: torch.fx.GraphModule, tensors: list[torch.Tens
 def _user_line(stack: str) -> str:
     """The innermost frame of ``stack`` (a formatted traceback) outside torch and this
     library: where the user's code did it."""
-    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
     library = os.path.dirname(os.path.abspath(__file__))
-    torch_dir = os.path.dirname(torch.__file__)
-    for frame in reversed(frames):
-        path = frame.split('"')[1] if '"' in frame else ""
-        if not path.startswith((library, torch_dir)):
-            return frame
-    return frames[-1] if frames else "an unknown place"
+    return _innermost(stack, (library, os.path.dirname(torch.__file__))) or (
+        _innermost(stack, ()) or "an unknown place"
+    )
 
 
-def _innermost_outside_torch(stack: str) -> str | None:
-    """The innermost frame of ``stack`` outside torch: the line that read the value."""
-    torch_dir = os.path.dirname(torch.__file__)
+def _innermost(stack: str, outside: tuple[str, ...]) -> str | None:
+    """The innermost frame of ``stack`` whose file is under none of the ``outside`` folders."""
     frames = [line.strip() for line in stack.splitlines() if line.strip().startswith("File ")]
     for frame in reversed(frames):
         path = frame.split('"')[1] if '"' in frame else ""
-        if not path.startswith(torch_dir):
+        if not path.startswith(outside):
             return frame
     return None
 
@@ -592,7 +587,7 @@ def _trace_error(error: Exception) -> Exception:
         return error
     stack = "\n".join(_frames(error))
     where = _user_line(stack)
-    reader = _innermost_outside_torch(stack)
+    reader = _innermost(stack, (os.path.dirname(torch.__file__),))
     if reader is not None and reader != where:  # read inside the library, reached from there
         where = f"{reader}, reached from {where}"
     return TraceError(

@@ -20,6 +20,7 @@ from .._tree import NAMESPACE
 from ._tree import check_tensor_tree, local_leaves
 from .clipping import norm_dtype
 from .transforms import (
+    ABOUT_UPDATES,
     GradientTransformation,
     GradientTransformationExtraArgs,
     OptState,
@@ -69,21 +70,14 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     )
 
 
-def _float_dtypes(updates: Updates) -> set[torch.dtype]:
-    return {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
-
-
-def _exact_cast(updates: Updates, master_dtype: torch.dtype) -> bool:
-    """Whether casting ``updates`` to ``master_dtype`` keeps every value."""
-    return all(_widens(d, master_dtype) for d in _float_dtypes(updates))
-
-
-def _same_norm(updates: Updates, master_dtype: torch.dtype) -> bool:
-    """Whether :func:`global_norm` of ``updates`` and of ``updates`` cast to ``master_dtype``
-    are one number: the same values (an exact cast) summed in the same dtype."""
-    return _exact_cast(updates, master_dtype) and norm_dtype(_float_dtypes(updates)) == norm_dtype(
-        [master_dtype]
-    )
+def _stale(updates: Updates, master_dtype: torch.dtype) -> tuple[str, ...]:
+    """The keyword arguments about ``updates`` that no longer hold once they are cast to
+    ``master_dtype``: none if the cast keeps every value and the norm is summed in the same
+    dtype (one number either way), ``grad_norm`` if only the cast is exact, else both."""
+    dtypes = {t.dtype for t in local_leaves(updates)[0] if t.is_floating_point()}
+    if not all(_widens(d, master_dtype) for d in dtypes):
+        return ABOUT_UPDATES
+    return () if norm_dtype(dtypes) == norm_dtype([master_dtype]) else ("grad_norm",)
 
 
 def master_weights(
@@ -160,12 +154,7 @@ def master_weights(
         # (bf16/fp16 gradients, fp32 masters): then it is passed on, and a clip inside costs
         # no second all-reduce. ``finite`` holds whenever the cast is exact (a narrowing cast
         # can overflow a finite gradient). Otherwise the inner optimizer computes its own.
-        if _same_norm(updates, master_dtype):
-            extra = kwargs
-        elif _exact_cast(updates, master_dtype):
-            extra = without(kwargs, ("grad_norm",))
-        else:
-            extra = without(kwargs)
+        extra = without(kwargs, _stale(updates, master_dtype))
         inner_updates, inner = call_update(optimizer, grads, state.inner, state.master, extra)
         m, treedef = local_leaves(state.master)
         new_master = optree.tree_unflatten(

@@ -203,10 +203,10 @@ def inject_hyperparams(
             return {**current, **recorded}, {**current, **now}
 
         def build(hyper: dict[str, Any]) -> GradientTransformation:
-            tensors = sorted(k for k, v in hyper.items() if isinstance(v, torch.Tensor))
             try:
                 return inner_factory(**fixed, **hyper)
             except TypeError as e:
+                tensors = sorted(k for k, v in hyper.items() if isinstance(v, torch.Tensor))
                 if not tensors:
                     raise
                 raise TypeError(_refused_tensors(inner_factory, tensors, scheduled, e)) from e
