@@ -6,6 +6,7 @@ layouts with explicit, differentiable collectives.
 """
 
 from . import contrib as contrib
+from . import cp as cp
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
 from ._dpo import dpo_loss as dpo_loss
 from ._lm_losses import causal_lm_loss as causal_lm_loss
@@ -252,6 +253,7 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "count_comms",
+    "cp",
     "describe",
     "divide_by_tp",
     "dpo_loss",

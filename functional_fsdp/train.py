@@ -30,8 +30,9 @@ from . import rng as random
 from ._loss import Outputs, loss_parts, reduce_outputs, to_token_mean
 from ._partition import marked_frozen, module_trainable, names_of, partition, trainable_names
 from ._tree import NAMESPACE, dotted, keystr, tree_leaves
+from .cp.layout import split_sequence
 from .distributed import agreement, process
-from .distributed.axes import data_axes_of
+from .distributed.axes import data_axes_of, sequence_axis_of
 from .distributed.mesh import axis_sizes, check_mesh, coordinate_of
 from .distributed.simulate import check_alive, is_simulated, per_coordinate
 from .fsdp import step_inputs
@@ -450,6 +451,7 @@ def local_batch(
     mesh: Any,
     data_axes: str | tuple[str, ...] | None = None,
     *,
+    sequence_axis: str | bool | None = True,
     where: str = "ff.local_batch",
 ) -> Batch:
     """This rank's share (along dim 0) of a global batch that every rank holds.
@@ -462,7 +464,10 @@ def local_batch(
     default) takes the same share itself.
 
     Data ranks are numbered row-major over ``data_axes``; ranks that differ only in model
-    axes (tp) get the same share.
+    axes (tp) get the same share. An axis that splits the sequence (context parallelism,
+    ``"cp"``) splits dim 1 of every tensor of 2 or more dims instead, into its two
+    load-balanced chunks per rank (:func:`functional_fsdp.cp.chunk_layout`); the other
+    data axes split dim 0.
 
     Args:
         batch: a tensor or a pytree of tensors, the same global batch on every rank; every
@@ -471,6 +476,8 @@ def local_batch(
             ``data_axes`` are then used.
         data_axes: the mesh axes that split the batch (default: the model's, or every axis
             of the mesh but ``"tp"``).
+        sequence_axis: the data axis that splits the sequence (default: the model's, or
+            ``"cp"`` where it is a data axis; ``None``: none).
         where: the name that errors start with.
 
     Returns:
@@ -492,6 +499,8 @@ def local_batch(
         mesh = model.mesh
         if data_axes is None:
             data_axes = model.data_axes
+        if sequence_axis is True:
+            sequence_axis = model.sequence_axis
     check_mesh(mesh, where)
     data_axes = data_axes_of(
         mesh,
@@ -499,6 +508,10 @@ def local_batch(
         where,
         hint=", or pass the FSDP model itself (ff.local_batch(batch, sharded_model))",
     )
+    seq_axis = sequence_axis_of(mesh, data_axes, sequence_axis, where)
+    if seq_axis is not None:
+        batch = _split_sequences(batch, mesh, seq_axis)
+        data_axes = tuple(a for a in data_axes if a != seq_axis)
     sizes = axis_sizes(mesh)
     n = math.prod(sizes[a] for a in data_axes)
     leaves, treedef = optree.tree_flatten(batch)
@@ -532,6 +545,20 @@ def local_batch(
         return t.index_select(0, index)
 
     out = [share(t) if isinstance(t, torch.Tensor) and t.ndim else t for t in leaves]
+    return optree.tree_unflatten(treedef, out)
+
+
+def _split_sequences(batch: Batch, mesh: DeviceMesh, axis: str) -> Batch:
+    """Each tensor of 2 or more dims cut to this rank's chunks of dim 1 (the sequence)."""
+    if axis_sizes(mesh)[axis] == 1:
+        return batch
+    paths, leaves, treedef = optree.tree_flatten_with_path(batch)
+    out = [
+        split_sequence(t, mesh, axis, f"batch{keystr(p) if p else ''}")
+        if isinstance(t, torch.Tensor) and t.ndim >= 2
+        else t
+        for p, t in zip(paths, leaves)
+    ]
     return optree.tree_unflatten(treedef, out)
 
 
@@ -931,7 +958,13 @@ def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batc
         if not checked_batch:  # the first call: a step that loads per-rank data
             _check_same_global_batch(data, model.mesh)
             checked_batch.append(True)
-        local = local_batch(data, model.mesh, model.data_axes, where="train_step")
+        local = local_batch(
+            data,
+            model.mesh,
+            model.data_axes,
+            sequence_axis=model.sequence_axis,
+            where="train_step",
+        )
         whose = _share_description(data, model)
     split = _Split(params, state.trainable)
     _check_differentiable(
@@ -1384,6 +1417,13 @@ def _check_global_batch_randomness(model: FSDP | None, accumulate: int) -> None:
             f"mesh {format_mesh(sizes)} also splits the model over {sorted(model_axes)}, whose "
             f"sharded activations would draw other numbers than one process. Use "
             f"randomness='per_rank'."
+        )
+    if model.sequence_axis is not None and sizes[model.sequence_axis] > 1:
+        raise ValueError(
+            f"train_step(randomness='global_batch') splits the batch's rows only, but the "
+            f"{model.sequence_axis!r} axis of {format_mesh(sizes)} splits each sequence "
+            f"(context parallelism): its ranks draw independent masks for their own tokens. "
+            f"Use randomness='per_rank'."
         )
 
 

@@ -41,6 +41,8 @@ class Axis(str, enum.Enum):
     """The replicated data axis of hybrid sharding (HSDP)."""
     SHARD = "shard"
     """The sharded data axis of hybrid sharding (HSDP)."""
+    CP = "cp"
+    """Context parallel: a data axis that splits each sequence (dim 1) instead of the batch."""
 
     def __str__(self) -> str:
         return self.value
@@ -365,6 +367,39 @@ def data_axes_of(
         f"name the mesh axes that split the batch, some of {tuple(sizes)}{hint}",
     )
     return axes
+
+
+def sequence_axis_of(
+    mesh: DeviceMesh | Mapping[str, int],
+    data_axes: tuple[str, ...],
+    sequence_axis: str | bool | None,
+    where: str,
+) -> str | None:
+    """The data axis that splits each sequence (context parallelism), or ``None``.
+
+    ``sequence_axis`` as given, checked to be one of ``data_axes``; by default (``True``)
+    ``"cp"`` when it is a data axis of the mesh. ``None`` or ``False``: no axis splits the
+    sequence.
+
+    Example:
+        >>> sequence_axis_of({"dp": 2, "cp": 2}, ("dp", "cp"), True, "ff.fsdp")
+        'cp'
+        >>> sequence_axis_of({"dp": 2}, ("dp",), True, "ff.fsdp") is None
+        True
+    """
+    if sequence_axis is True:
+        return Axis.CP.value if Axis.CP.value in data_axes else None
+    if sequence_axis is None or sequence_axis is False:
+        return None
+    if sequence_axis not in data_axes:
+        sizes = dict(mesh) if isinstance(mesh, Mapping) else axis_sizes(mesh)
+        raise ValueError(
+            f"{where}(sequence_axis={sequence_axis!r}): the axis that splits the sequence must "
+            f"be one of the data axes {data_axes} of {format_mesh(sizes)} (its ranks hold "
+            f"different tokens, so gradients are reduced over it); name one of them, or add "
+            f"it to data_axes."
+        )
+    return sequence_axis
 
 
 def same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:

@@ -38,7 +38,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._partition import mark_frozen
-from ..distributed.axes import data_axes_of, same_mesh
+from ..cp.attention import splitting
+from ..cp.checks import check_split_attention
+from ..distributed.axes import data_axes_of, same_mesh, sequence_axis_of
 from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import check_made_outside, is_shapes_only
 from ..formats import storage_view
@@ -100,6 +102,7 @@ class FSDP:
     specs: Specs
     wrappers: tuple[tuple[str, ModuleWrapper], ...] = ()
     trainable_override: TrainableArg = None
+    sequence_axis: str | None = None
     layout: ModelLayout = field(init=False, repr=False)
     _modules: tuple[tuple[str, nn.Module], ...] = field(init=False, repr=False)
     _sizes: dict[str, int] = field(init=False, repr=False)
@@ -276,21 +279,46 @@ class FSDP:
             policy = dataclasses.replace(policy, grad_reduce="none")
         if self._complex and policy.grad_reduce != "none":
             self._check_complex(params)
-        return runtime.run(
-            layout,
-            self._modules,
-            self.mesh,
-            self._sizes,
-            policy,
-            self.data_axes,
-            self.wrappers,
-            params,
-            args,
-            kwargs,
-            buffers,
-            replicas=given.replicas,
-            mutable=mode,
-        )
+        with self._sequence_split():
+            return runtime.run(
+                layout,
+                self._modules,
+                self.mesh,
+                self._sizes,
+                policy,
+                self.data_axes,
+                self.wrappers,
+                params,
+                args,
+                kwargs,
+                buffers,
+                replicas=given.replicas,
+                mutable=mode,
+            )
+
+    @contextlib.contextmanager
+    def _sequence_split(self) -> Iterator[None]:
+        """Where :attr:`sequence_axis` splits the sequence, attention inside the block
+        gathers keys and values over it (:mod:`functional_fsdp.cp`); a model whose attention
+        does not is refused."""
+        if self.sequence_axis is None:
+            yield
+            return
+        cp = self._sizes[self.sequence_axis]
+        if cp > 1:
+            check_split_attention(self.module, self.sequence_axis, self.mesh)
+        with splitting(self.mesh, self.sequence_axis) as split:
+            yield
+        if cp > 1 and split.calls == 0:
+            raise ValueError(
+                f"{type(self.module).__name__} ran on {describe_mesh(self.mesh)}, whose "
+                f"{self.sequence_axis!r} axis splits each sequence, but none of its attention "
+                f"went through ff.cp.attention: every rank would attend within its own chunks "
+                f"only. Call ff.cp.attention(q, k, v) in the model's attention (and "
+                f"ff.cp.positions for its position embeddings), or build a transformers model "
+                f"with attn_implementation=ff.cp.register_attention(); or pass "
+                f"sequence_axis=None to ff.fsdp to split the batch over it instead."
+            )
 
     def _layout_for(self, params: Any) -> ModelLayout:
         """Check ``params`` against the module; the model's layout for theirs."""
@@ -432,6 +460,7 @@ def fsdp(
     data_axes: Sequence[str] | None = None,
     wrappers: Sequence[tuple[str, ModuleWrapper]] = (),
     trainable: TrainableArg = None,
+    sequence_axis: str | bool | None = True,
 ) -> FSDP:
     """Describe how to run ``module`` fully sharded over ``mesh``.
 
@@ -454,6 +483,9 @@ def fsdp(
             is applied to that submodule's per-call copy during :meth:`FSDP.apply`.
         trainable: which parameters :attr:`FSDP.trainable` lists: names, or a predicate on
             the name. Default: those with ``requires_grad=True``.
+        sequence_axis: the data axis that splits each sequence (dim 1 of the batch) rather
+            than the batch (context parallelism: :mod:`functional_fsdp.cp`). Default:
+            ``"cp"`` when the mesh has it; ``None``: none.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -473,6 +505,7 @@ def fsdp(
         )
     check_mesh(mesh, "ff.fsdp(module, mesh)")
     data_axes = data_axes_of(mesh, data_axes, "ff.fsdp")
+    seq_axis = sequence_axis_of(mesh, tuple(data_axes), sequence_axis, "ff.fsdp")
     _check_tp_axis_not_data(wrappers, data_axes)
     check_made_outside(
         itertools.chain(module.named_parameters(), module.named_buffers()),
@@ -493,6 +526,7 @@ def fsdp(
         specs=specs if specs is not None else default_specs(mesh, data_axes),
         wrappers=_check_wrappers(module, wrappers),
         trainable_override=trainable,
+        sequence_axis=seq_axis,
     )
     if units is None and not sharded.units:
         _warn_single_unit(sharded)

@@ -10,6 +10,7 @@ pytree sees them (``ModelOutput`` and any registered node), and dataclasses too.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import enum
@@ -380,6 +381,7 @@ class Replay:
         # many; their gradients are reduced in the recompute's backward (see reduce_early).
         self.unit = unit
         self.rng: Any = None
+        self.context: contextvars.Context | None = None  # e.g. the call's sequence split
         self.others: list[Any] = []  # the non-tensor inputs, snapshotted before the forward
         self.out_def: torch_pytree.TreeSpec | None = None
         self.out_others: list[Any] = []  # the output's non-tensor leaves, as returned
@@ -387,6 +389,7 @@ class Replay:
 
     def first(self, flat: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
         self.rng = rng.get_state()
+        self.context = contextvars.copy_context()
         self.others = [snapshot(x) for x in flat if not isinstance(x, torch.Tensor)]
         with torch.no_grad():
             out = self.fn(*flat) if self.call is None else self.call()
@@ -399,9 +402,11 @@ class Replay:
         """The forward run again on ``flat`` (tensors) and fresh copies of the snapshot."""
         others = iter(snapshot(self.others))
         args = [x if isinstance(x, torch.Tensor) else next(others) for x in flat]
+        assert self.context is not None
         with rng.preserved():
             rng.set_state(self.rng)
-            leaves, _ = flatten(self.fn(*args))
+            # In the forward's context variables (a fresh copy: a recompute may nest).
+            leaves, _ = flatten(self.context.copy().run(self.fn, *args))
         return tuple(x for x in leaves if isinstance(x, torch.Tensor))
 
     def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:

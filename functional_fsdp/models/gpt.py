@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ..cp.attention import attention as cp_attention
+from ..cp.attention import positions
 from ..tp.styles import (
     ColwiseParallel,
     PrepareInput,
@@ -67,7 +69,8 @@ class Attention(nn.Module):
             rearrange(w(x), "b t (h d) -> b h t d", d=self.head_dim)
             for w in (self.wq, self.wk, self.wv)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Causal attention; over the whole sequence where a "cp" axis splits it (ff.cp).
+        y = cp_attention(q, k, v)
         return self.wo(rearrange(y, "b h t d -> b t (h d)"))
 
 
@@ -125,7 +128,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device)))
+        # Global positions: this rank's chunks of the sequence under context parallelism.
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions(t, idx.device)))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
