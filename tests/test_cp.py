@@ -217,7 +217,11 @@ RANKS_4 = [
     ("cp2_tp2", "llama", "padded", {}),
     ("cp4", "qwen2", "packed", {"checkpointing": True, "accumulate": 2}),
 ]
-RANKS_2 = [("cp2", "qwen2", "padded", {}), ("cp2", "llama", "packed", {"checkpointing": True})]
+RANKS_2 = [
+    ("cp2", "qwen2", "padded", {}),
+    ("cp2", "llama", "packed", {"checkpointing": True}),
+    ("cp2", "llama", "packed", {"jit": True}),
+]
 
 
 @pytest.mark.parametrize(("world", "cases"), [(2, RANKS_2), (4, RANKS_4)])
