@@ -148,3 +148,35 @@ def on_ranks(cases: list[tuple[str, str, str, dict[str, Any]]]) -> dict[str, Any
             meshes[layout], m, b, **options
         )
     return out
+
+
+def _train_state(mesh: Any) -> tuple[Any, Any, Any]:
+    m, b = inputs("llama", "packed")
+    sharded = ff.fsdp(m, mesh)
+
+    def loss_fn(params: Any, x: dict[str, torch.Tensor]) -> Any:
+        args = {k: v for k, v in x.items() if k != "shift_labels"}
+        return ff.causal_lm_loss(
+            sharded.apply(params, **args).logits, shift_labels=x["shift_labels"]
+        )
+
+    opt = ff.adamw(1e-2)
+    state = ff.TrainState.create(sharded.shard(), opt, trainable=sharded)
+    return ff.train_step(loss_fn, opt, model=sharded), state, b
+
+
+def checkpoint_save(path: str) -> dict[str, Any]:
+    """Two steps on dp x cp, saved after the first; the second step's loss and the state."""
+    step, state, b = _train_state(ff.make_mesh({"dp": 2, "cp": 2}))
+    state, _ = step(state, b)
+    ff.checkpoint.save(path, state)
+    state, metrics = step(state, b)
+    return {"loss": float(metrics["loss"]), "params": ff.gather(state.params)}
+
+
+def checkpoint_resume(path: str, axes: dict[str, int]) -> dict[str, Any]:
+    """The saved state loaded on another mesh, one more step."""
+    step, like, b = _train_state(ff.make_mesh(axes))
+    state = ff.checkpoint.load(path, like)
+    state, metrics = step(state, b)
+    return {"loss": float(metrics["loss"]), "params": ff.gather(state.params)}

@@ -232,3 +232,15 @@ def test_gloo_ranks_equal_transformers_on_one_process(pools: Any, world: int, ca
         ref = W.reference(arch, kind)
         for got in per_rank:
             _close(got[key], ref)
+
+
+def test_a_checkpoint_saved_on_dp_x_cp_resumes_on_dp_alone(pools: Any, tmp_path: Any) -> None:
+    """The state does not depend on cp: saved on dp2 x cp2, the next step on dp2 (whole
+    sequences per rank) or cp2 gives the same loss and parameters."""
+    path = str(tmp_path / "ckpt")
+    saved = pools.run(4, W.checkpoint_save, path)[0]
+    for axes in ({"dp": 2}, {"cp": 2}):
+        resumed = pools.run(2, W.checkpoint_resume, path, axes)[0]
+        assert abs(resumed["loss"] - saved["loss"]) < TOL, axes
+        for name, p in saved["params"].items():
+            assert float((resumed["params"][name] - p).abs().max()) < TOL, (axes, name)

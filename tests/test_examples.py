@@ -212,3 +212,22 @@ def test_finetune_dpo_full_with_a_sharded_reference_resumes_exactly(tmp_path):
     assert "resumed at step 2" in out, out
     resumed = re.search(r"steps 2\.\.3: loss [\d.]+ -> ([\d.]+)", out)
     assert resumed and resumed.group(1) == first.group(2), out
+
+
+def test_train_long_context_equals_one_process_and_trains():
+    """Context parallelism (dp=2, cp=2): the first step's loss is one process's on the same
+    global batch, and the loss falls."""
+    out = _torchrun(
+        "examples/train_long_context.py",
+        "--steps",
+        "4",
+        "--seq-len",
+        "256",
+        "--lr",
+        "1e-2",
+        nproc=4,
+    )
+    both = re.search(r"step 1 loss ([\d.]+), one process on the same batch ([\d.]+)", out)
+    assert both and abs(float(both.group(1)) - float(both.group(2))) < 1e-5, out
+    losses = re.search(r"loss: first ([\d.]+), last ([\d.]+)", out)
+    assert losses and float(losses.group(2)) < float(losses.group(1)), out
