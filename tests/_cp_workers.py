@@ -13,6 +13,14 @@ import functional_fsdp as ff
 from ._hf import tiny_llama_config, tiny_qwen2_config
 
 VOCAB = 96
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
 
 def model(arch: str = "llama", impl: str = "sdpa", **overrides: Any) -> torch.nn.Module:
@@ -22,8 +30,14 @@ def model(arch: str = "llama", impl: str = "sdpa", **overrides: Any) -> torch.nn
     options = dict(max_position_embeddings=512, use_cache=False, **overrides)
     if arch == "llama":
         cfg, cls = tiny_llama_config(**options), transformers.LlamaForCausalLM
-    else:
+    elif arch == "qwen2":
         cfg, cls = tiny_qwen2_config(**options), transformers.Qwen2ForCausalLM
+    else:  # mistral, gemma: the same sizes through their own configs
+        name = {"mistral": "Mistral", "gemma": "Gemma"}[arch]
+        sizes = tiny_llama_config(**options).to_dict()
+        keep = {k: sizes[k] for k in (*_SIZES, *options)}
+        cfg = getattr(transformers, f"{name}Config")(**keep, head_dim=8)
+        cls = getattr(transformers, f"{name}ForCausalLM")
     torch.manual_seed(0)
     m = cls(cfg).double()
     if impl != "sdpa":
@@ -87,6 +101,7 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "dp2_cp2": {"dp": 2, "cp": 2},
     "cp2_tp2": {"cp": 2, "tp": 2},
     "dp2_cp2_tp2": {"dp": 2, "cp": 2, "tp": 2},
+    "hsdp_cp2": {"replicate": 2, "shard": 2, "cp": 2},
 }
 
 
@@ -105,9 +120,11 @@ def step(
     accumulate: int = 1,
     checkpointing: bool = False,
     jit: bool = False,
+    zero2: bool = False,
 ) -> dict[str, Any]:
     """One SGD(1) step of the token-mean loss on ``mesh``: its loss and gradients (the
-    parameters' change), gathered."""
+    parameters' change), gathered. ``zero2``: the ZeRO paper's (parameters replicated, the
+    optimizer state sharded over the last data axis)."""
     policy = ff.Policy(activation_checkpointing=checkpointing)
     vocab_mesh = None
     if "tp" in ff.axis_sizes(mesh):
@@ -115,7 +132,7 @@ def step(
         sharded = ff.fsdp(m, mesh, specs=tp.specs, wrappers=tp.wrappers, policy=policy)
         vocab_mesh = mesh  # the head's logits are this rank's block of the vocabulary
     else:
-        sharded = ff.fsdp(m, mesh, policy=policy)
+        sharded = ff.fsdp(m, mesh, policy=policy, specs=ff.P() if zero2 else None)
 
     def loss_fn(params: Any, b: dict[str, torch.Tensor]) -> Any:
         inputs = {k: v for k, v in b.items() if k != "shift_labels"}
@@ -127,7 +144,8 @@ def step(
     if jit:
         train = ff.jit(train)
     params = sharded.shard()
-    state = ff.TrainState.create(params, opt, trainable=sharded)
+    opt_specs = ff.P(sharded.data_axes[-1]) if zero2 else None
+    state = ff.TrainState.create(params, opt, trainable=sharded, opt_specs=opt_specs)
     new, metrics = train(state, global_batch)
     before, after = ff.gather(params), ff.gather(new.params)
     return {

@@ -95,6 +95,10 @@ SIMULATED = [
     ("dp2_cp2_tp2", "qwen2", "padded", {}),
     ("cp2", "llama", "packed", {"accumulate": 2}),
     ("dp2_cp2", "qwen2", "packed", {"checkpointing": True}),
+    ("dp2_cp2", "llama", "padded", {"zero2": True}),
+    ("hsdp_cp2", "llama", "packed", {}),
+    ("cp2", "mistral", "packed", {}),
+    ("cp2", "gemma", "padded", {}),
 ]
 
 
