@@ -141,8 +141,8 @@ def step(
 
     opt = ff.sgd(1.0)
     train = ff.train_step(loss_fn, opt, model=sharded, accumulate=accumulate)
-    if jit:
-        train = ff.jit(train)
+    if jit:  # traced into one graph; the eager backend spares inductor's compile time
+        train = ff.jit(train, backend="eager")
     params = sharded.shard()
     opt_specs = ff.P(sharded.data_axes[-1]) if zero2 else None
     state = ff.TrainState.create(params, opt, trainable=sharded, opt_specs=opt_specs)
@@ -154,14 +154,18 @@ def step(
     }
 
 
+GLOO_LENGTH = 256  # tokens per sequence on real ranks
+
+
 def on_ranks(cases: list[tuple[str, str, str, dict[str, Any]]]) -> dict[str, Any]:
-    """Each (layout, arch, kind, options) case on this process group."""
+    """Each (layout, arch, kind, options) case on this process group, on sequences of
+    ``GLOO_LENGTH`` tokens."""
     out: dict[str, Any] = {}
     meshes: dict[str, Any] = {}
     for layout, arch, kind, options in cases:
         if layout not in meshes:
             meshes[layout] = ff.make_mesh(LAYOUTS[layout])
-        m, b = inputs(arch, kind)
+        m, b = inputs(arch, kind, length=GLOO_LENGTH)
         out[f"{layout}/{arch}/{kind}/{sorted(options.items())}"] = step(
             meshes[layout], m, b, **options
         )

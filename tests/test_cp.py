@@ -233,7 +233,7 @@ def test_gloo_ranks_equal_transformers_on_one_process(pools: Any, world: int, ca
     per_rank = pools.run(world, W.on_ranks, cases)
     for layout, arch, kind, options in cases:
         key = f"{layout}/{arch}/{kind}/{sorted(options.items())}"
-        ref = W.reference(arch, kind)
+        ref = W.reference(arch, kind, length=W.GLOO_LENGTH)
         for got in per_rank:
             _close(got[key], ref)
 
