@@ -220,8 +220,9 @@ def llama_reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
-    """``train_step`` with Muon on a Llama: FSDP with donation; ZeRO-2 (params replicated,
-    optimizer shards over dp) under master_weights; FSDP + TP on (dp, tp)."""
+    """``train_step`` with Muon on a Llama: FSDP with donation; FSDP compiled by ``ff.jit``
+    (traced into one graph); ZeRO-2 (params replicated, optimizer shards over dp) under
+    master_weights; FSDP + TP on (dp, tp)."""
     out: dict[str, Any] = {}
     world = torch.distributed.get_world_size()
     for layout in layouts:
@@ -230,10 +231,10 @@ def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
         opt: ff.GradientTransformation = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=rule)
         create: dict[str, Any] = {}
         donate = False
-        if layout == "fsdp_donate":
+        if layout in ("fsdp_donate", "fsdp_jit"):
             mesh = ff.make_mesh({"dp": world})
             f = ff.fsdp(model, mesh)
-            donate = True
+            donate = layout == "fsdp_donate"
         elif layout == "zero2_masters":
             mesh = ff.make_mesh({"dp": world})
             f = ff.fsdp(model, mesh, specs=ff.P())
@@ -251,6 +252,8 @@ def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
             model=f,
             donate=donate,
         )
+        if layout == "fsdp_jit":  # the whole step, Muon's all-to-alls included, one graph
+            step = ff.jit(step, backend="eager")
         state = ff.TrainState.create(f.shard(), opt, **create)
         with ff.count_comms() as comms:
             for ids in llama_batches(steps):

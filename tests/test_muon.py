@@ -281,12 +281,14 @@ def test_matches_optax_on_four_ranks(pools: Any) -> None:
 @pytest.mark.multiprocess
 def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
     """A transformers Llama (embeddings, head and norms through Adam) trained 3 steps by
-    train_step: FSDP with donation and ZeRO-2 with master weights on 2 ranks, FSDP + TP on
-    2 x 2, each equal to one process; ff.plan prices the all-to-alls rank 0 sends."""
+    train_step: FSDP with donation, FSDP under ff.jit and ZeRO-2 with master weights on 2
+    ranks, FSDP + TP on 2 x 2, each equal to one process; ff.plan prices the all-to-alls rank
+    0 sends."""
     ref = W.llama_reference(3)
-    two = pools.run(2, W.llama_on_ranks, ["fsdp_donate", "zero2_masters"], 3)
+    on_two = ["fsdp_donate", "fsdp_jit", "zero2_masters"]
+    two = pools.run(2, W.llama_on_ranks, on_two, 3)
     four = pools.run(4, W.llama_on_ranks, ["dp_tp"], 3)
-    for results, layouts in ((two, ["fsdp_donate", "zero2_masters"]), (four, ["dp_tp"])):
+    for results, layouts in ((two, on_two), (four, ["dp_tp"])):
         for layout in layouts:
             for r in results:
                 for k, v in ref.items():
