@@ -282,6 +282,50 @@ def checkpoint_cost(data: dict[str, Any]) -> str:
     return _phases(data, 1, "per rank, per step")
 
 
+def _cp_runs(data: dict[str, Any]) -> tuple[list[int], list[str], list[dict[str, Any]]]:
+    runs = sorted(data["runs"], key=lambda r: int(r["key"].split("=")[1]))
+    lengths = [int(r["key"].split("=")[1]) for r in runs]
+    return lengths, list(runs[0]["figures"]), [r["figures"] for r in runs]
+
+
+def cp_scaling(data: dict[str, Any]) -> str:
+    lengths, cps, figs = _cp_runs(data)
+    rows = []
+    for n, f in zip(lengths, figs):
+        base = f[cps[0]]
+        rows.append(
+            [
+                f"{n:,}",
+                *(
+                    f"{f[c]['tensor_mib']:,.1f} ({f[c]['tensor_mib'] / base['tensor_mib']:.2f})"
+                    for c in cps
+                ),
+                *(f"{f[c]['step_s']:.3f} ({f[c]['step_s'] / base['step_s']:.2f})" for c in cps),
+            ]
+        )
+    header = ["tokens", *(f"MiB, {c}" for c in cps), *(f"step s, {c}" for c in cps)]
+    table = _table(header, rows, "--:" + "|--:" * (2 * len(cps)))
+    image = _image("cp_scaling", "tensor memory and step time per rank against sequence length")
+    return "\n\n".join([image, _sources(data), table])
+
+
+def plot_cp_scaling(data: dict[str, Any], plt: Any) -> Any:
+    lengths, cps, figs = _cp_runs(data)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for c in cps:
+        a.plot(lengths, [f[c]["tensor_mib"] for f in figs], marker="o", label=c)
+        b.plot(lengths, [f[c]["step_s"] for f in figs], marker="o", label=c)
+    for ax, label in ((a, "tensor memory a step adds, MiB per rank"), (b, "step time, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(lengths)
+        ax.set_xticklabels([f"{n:,}" for n in lengths])
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    return fig
+
+
 PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "step_vs_fsdp2": step_vs_fsdp2,
     "compiled_step": compiled_step,
@@ -290,12 +334,14 @@ PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "lifecycle_memory": lifecycle_memory,
     "qlora_memory": qlora_memory,
     "checkpoint_cost": checkpoint_cost,
+    "cp_scaling": cp_scaling,
 }
 PLOTS: dict[str, Callable[[Any], Any]] = {
     "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
     "compiled_step": lambda plt: plot_compiled_step(load("compiled_step"), plt),
     "lifecycle_memory": lambda plt: plot_phases(load("lifecycle_memory"), plt),
     "qlora_memory": lambda plt: plot_phases(load("qlora_memory"), plt, skip=("step seconds",)),
+    "cp_scaling": lambda plt: plot_cp_scaling(load("cp_scaling"), plt),
 }
 
 
