@@ -16,16 +16,18 @@ is not trained; the loss shifts them (``ff.causal_lm_loss``, or transformers' ow
   labels: every assistant turn (``turns="last"``: only the last one). It reads the template's
   ``{% generation %}`` markers where it has them, and finds the turns by rendering the
   conversation's prefixes where it does not. Prompt-completion examples (TRL's
-  ``completion_mask``) and TRL-prepared ones (``input_ids`` with ``assistant_masks``,
-  ``completion_mask`` or ``labels``) are taken too.
+  ``completion_mask``) are taken too, and so are TRL-prepared ones (:func:`prepared`:
+  ``input_ids`` with ``labels``, ``assistant_masks`` or ``completion_mask``, rows packed by TRL
+  with their ``seq_lengths`` or ``position_ids`` among them), as they are.
 * :func:`prepare` maps a ``datasets.Dataset`` through :func:`encode` (cached by ``datasets``)
   and, as TRL, truncates to ``max_length`` (``keep_start``) and drops the examples left with
   nothing to train, unless the data is to be packed.
 * :func:`pad` pads a batch to its longest sequence; :func:`pack` packs it into rows of a fixed
   length, best-fit decreasing (TRL's default ``packing_strategy="bfd"``) or in order, an
-  over-long example truncated (TRL's ``bfd``) or refused. Each token carries its position
-  within its own document (``position_ids``, as ``DataCollatorWithFlattening``), each
-  document's first label is ``-100``, and the batch carries a block-diagonal causal mask,
+  over-long example truncated (TRL's ``bfd``) or refused; rows packed already are kept
+  whole. Each token carries its position within its own document (``position_ids``, as
+  ``DataCollatorWithFlattening``), each document's first label is ``-100``, and the batch
+  carries a block-diagonal causal mask,
   optionally: transformers' sdpa and eager attention isolate documents from ``position_ids``
   alone when the model runs with ``use_cache=False`` (measured in ``tests/test_sft.py``).
 * :class:`Batches` is a ``torchdata`` ``StatefulDataLoader`` over this data rank's share
@@ -223,17 +225,12 @@ def encode(example: dict[str, Any], tokenizer: Any, turns: str = "all") -> dict[
       ``assistant_masks``; the completion starts where the prompt rendered with the
       generation prompt and the whole conversation diverge).
     * a TRL-prepared example (``input_ids`` with ``labels``, or with ``assistant_masks``
-      and/or ``completion_mask``): taken as it is, the masks turned into labels as TRL does.
+      and/or ``completion_mask``, perhaps a packed row): taken as it is, see :func:`prepared`.
     """
     if turns not in ("all", "last"):
         raise ValueError(f"encode: turns must be 'all' or 'last', got {turns!r}.")
     if "input_ids" in example:
-        ids = list(example["input_ids"])
-        if example.get("labels") is not None:
-            return {"input_ids": ids, "labels": list(example["labels"])}
-        masks = [example[k] for k in ("completion_mask", "assistant_masks") if example.get(k)]
-        labels = [t if all(m[i] for m in masks) else -100 for i, t in enumerate(ids)]
-        return {"input_ids": ids, "labels": labels}
+        return prepared(example)
     if "prompt" in example:
         ids, mask = assistant_mask(tokenizer, [*example["prompt"], *example["completion"]])
         prompt = _render(tokenizer, example["prompt"], add_generation_prompt=True)["input_ids"]
@@ -257,6 +254,69 @@ def encode(example: dict[str, Any], tokenizer: Any, turns: str = "all") -> dict[
             "the {% generation %} markers, or the conversation has no assistant turn."
         )
     return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+
+
+def _document_lengths(example: dict[str, Any], n: int) -> list[int] | None:
+    """The lengths of the documents packed in a row (``seq_lengths``, or the runs of
+    ``position_ids`` that start at 0), or None for a row that is one sequence."""
+    if example.get("seq_lengths") is not None:
+        lengths = [int(m) for m in example["seq_lengths"]]
+        if sum(lengths) != n or min(lengths, default=1) < 1:
+            raise ValueError(
+                f"prepared: a packed row has {n} input_ids but seq_lengths {lengths} (sum "
+                f"{sum(lengths)}); seq_lengths must be the row's document lengths, as TRL's "
+                f"pack_dataset writes them."
+            )
+        return lengths
+    if example.get("position_ids") is not None:
+        positions = list(example["position_ids"])
+        if len(positions) != n or (positions and positions[0] != 0):
+            raise ValueError(
+                f"prepared: a packed row has {n} input_ids and position_ids {positions[:8]}... "
+                f"({len(positions)} of them); position_ids must have one entry per token and "
+                f"restart at 0 at each document, as DataCollatorWithFlattening writes them."
+            )
+        starts = [i for i, p in enumerate(positions) if p == 0]
+        return [b - a for a, b in zip(starts, [*starts[1:], n])]
+    return None
+
+
+def prepared(example: dict[str, Any]) -> dict[str, list[int]]:
+    """A TRL-prepared (already tokenized) example as ``input_ids`` and ``labels``, taken as it
+    is: no template is applied, nothing is re-tokenized.
+
+    * ``labels`` given (what ``SFTTrainer`` leaves in its ``train_dataset``): kept.
+    * else ``assistant_masks`` and/or ``completion_mask`` (what TRL's tokenization writes,
+      0/1 per token): a token is labelled where every mask is 1, as TRL's ``build_labels``
+      does; with neither mask, every token is. (TRL reads ``completion_mask`` only with
+      ``completion_only_loss=True``, its default for prompt-completion data; a mask in the
+      data is always read here.)
+    * a packed row (TRL's ``seq_lengths``, or ``position_ids`` restarting at 0 at each
+      document): its document lengths are kept as ``seq_lengths``, so that :func:`pack`
+      keeps the row whole and gives each document its own positions and mask.
+
+    Example:
+        >>> prepared({"input_ids": [5, 6, 7, 8], "assistant_masks": [0, 0, 1, 1]})
+        {'input_ids': [5, 6, 7, 8], 'labels': [-100, -100, 7, 8]}
+        >>> prepared({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 0]})
+        {'input_ids': [5, 6, 7], 'labels': [5, 6, 7], 'seq_lengths': [2, 1]}
+    """
+    ids = list(example["input_ids"])
+    if example.get("labels") is not None:
+        labels = list(example["labels"])
+    else:
+        masks = [example[k] for k in ("completion_mask", "assistant_masks") if example.get(k)]
+        labels = [t if all(m[i] for m in masks) else -100 for i, t in enumerate(ids)]
+    if len(labels) != len(ids):
+        raise ValueError(
+            f"prepared: an example has {len(ids)} input_ids but {len(labels)} labels or mask "
+            f"entries; labels and masks are aligned with input_ids, one entry per token."
+        )
+    out = {"input_ids": ids, "labels": labels}
+    lengths = _document_lengths(example, len(ids))
+    if lengths is not None:
+        out["seq_lengths"] = lengths
+    return out
 
 
 def truncate(example: dict[str, Any], max_length: int) -> dict[str, list[int]]:
@@ -284,12 +344,15 @@ def prepare(
     ``input_ids`` and ``labels``, as TRL's ``SFTTrainer`` prepares it: :func:`encode` mapped
     over it (``datasets`` caches the result beside a dataset read from files), then, unless
     ``packing``, truncated to ``max_length`` and the examples left with no label dropped.
-    Packed data is truncated per document by :func:`pack` instead, as TRL's does."""
+    Packed data is truncated per document by :func:`pack` instead, as TRL's does. Rows that
+    are already packed (TRL's ``seq_lengths``, or ``position_ids``) are taken as they are
+    (:func:`prepared`; ``tokenizer`` may be None) and batched by :func:`pack`."""
     columns = [c for c in dataset.column_names if c not in ("input_ids", "labels")]
+    packed = any(c in dataset.column_names for c in ("seq_lengths", "position_ids"))
     dataset = dataset.map(
         encode, fn_kwargs={"tokenizer": tokenizer, "turns": turns}, remove_columns=columns
     )
-    if max_length is not None and not packing:
+    if max_length is not None and not packing and not packed:
         dataset = dataset.map(truncate, fn_kwargs={"max_length": max_length})
         dataset = dataset.filter(trains_something)
     return dataset
@@ -305,6 +368,13 @@ def _rows_multiple(n: int, multiple: int) -> int:
 def pad(examples: Sequence[dict[str, Any]], pad_id: int, rows_multiple: int = 1) -> dict:
     """Right-pad to the longest sequence of the batch (labels -100 on padding); empty rows
     are added up to a multiple of ``rows_multiple`` (the micro-batches of a step)."""
+    if any("seq_lengths" in e for e in examples):
+        raise ValueError(
+            "pad: the examples are rows that are already packed (they carry seq_lengths); "
+            "padded as single sequences, their documents would attend to each other. Batch "
+            "them with pack(...) (the example's --batching pack), which keeps each row whole "
+            "and gives each document its own position_ids and mask."
+        )
     length = max(len(e["input_ids"]) for e in examples)
     rows = _rows_multiple(len(examples), rows_multiple)
     ids = torch.full((rows, length), pad_id)
@@ -359,6 +429,46 @@ def in_order(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return [b for b in bins if b]
 
 
+def _documents(
+    examples: Sequence[dict[str, Any]], length: int, strategy: str, overflow: str
+) -> tuple[list[tuple[list[int], list[int]]], list[list[int]]]:
+    """Each document's ``(input_ids, labels)``, cut to ``length``, and the rows as lists of
+    document indices: binned by ``strategy``, or the given rows of packed examples."""
+    documents: list[tuple[list[int], list[int]]] = []
+    if examples and all("seq_lengths" in e for e in examples):
+        bins: list[list[int]] = []
+        for i, e in enumerate(examples):
+            if len(e["input_ids"]) > length:
+                raise ValueError(
+                    f"pack: row {i} is already packed (it carries seq_lengths) and has "
+                    f"{len(e['input_ids'])} tokens, over the row's {length}; pass a length of "
+                    f"at least {len(e['input_ids'])} (TRL's max_length when it packed them)."
+                )
+            bins.append([])
+            at = 0
+            for n in e["seq_lengths"]:
+                bins[-1].append(len(documents))
+                documents.append((e["input_ids"][at : at + n], e["labels"][at : at + n]))
+                at += n
+        return documents, bins
+    if any("seq_lengths" in e for e in examples):
+        raise ValueError(
+            "pack: some examples are packed rows (they carry seq_lengths) and some are not; "
+            "prepare the whole dataset one way."
+        )
+    lengths = [len(e["input_ids"]) for e in examples]
+    for i, n in enumerate(lengths):
+        if n > length and overflow == "error":
+            raise ValueError(
+                f"pack: example {i} has {n} tokens, over the packed row's {length} "
+                f"(overflow='error'). Pass overflow='truncate' to keep its first {length} "
+                f"tokens, as TRL's packing does, or a longer row."
+            )
+    lengths = [min(n, length) for n in lengths]
+    documents = [(e["input_ids"][:n], e["labels"][:n]) for e, n in zip(examples, lengths)]
+    return documents, (best_fit_decreasing if strategy == "bfd" else in_order)(lengths, length)
+
+
 def pack(
     examples: Sequence[dict[str, Any]],
     length: int,
@@ -372,7 +482,9 @@ def pack(
     """Pack the examples into rows of ``length`` tokens.
 
     Args:
-        examples: ``input_ids`` and ``labels`` (aligned) of each example.
+        examples: ``input_ids`` and ``labels`` (aligned) of each example; or rows that are
+            already packed (with ``seq_lengths``, as :func:`prepared` gives TRL's packed rows),
+            each kept whole as one row, ``strategy`` and ``overflow`` unused.
         length: tokens per row (TRL's ``max_length`` with ``packing=True``).
         pad_id: the padding token.
         rows_multiple: empty rows are added up to a multiple of it (the micro-batches).
@@ -395,16 +507,7 @@ def pack(
         raise ValueError(f"pack: strategy must be 'bfd' or 'in_order', got {strategy!r}.")
     if overflow not in ("truncate", "error"):
         raise ValueError(f"pack: overflow must be 'truncate' or 'error', got {overflow!r}.")
-    lengths = [len(e["input_ids"]) for e in examples]
-    for i, n in enumerate(lengths):
-        if n > length and overflow == "error":
-            raise ValueError(
-                f"pack: example {i} has {n} tokens, over the packed row's {length} "
-                f"(overflow='error'). Pass overflow='truncate' to keep its first {length} "
-                f"tokens, as TRL's packing does, or a longer row."
-            )
-    lengths = [min(n, length) for n in lengths]
-    bins = (best_fit_decreasing if strategy == "bfd" else in_order)(lengths, length)
+    documents, bins = _documents(examples, length, strategy, overflow)
     count = _rows_multiple(len(bins), rows_multiple)
     ids = torch.full((count, length), pad_id)
     labels = torch.full((count, length), -100)
@@ -413,9 +516,10 @@ def pack(
     for r, row in enumerate(bins):
         at = 0
         for d, i in enumerate(row):
-            n = lengths[i]
-            ids[r, at : at + n] = torch.tensor(examples[i]["input_ids"][:n])
-            labels[r, at : at + n] = torch.tensor(examples[i]["labels"][:n])
+            doc_ids, doc_labels = documents[i]
+            n = len(doc_ids)
+            ids[r, at : at + n] = torch.tensor(doc_ids)
+            labels[r, at : at + n] = torch.tensor(doc_labels)
             labels[r, at] = -100
             positions[r, at : at + n] = torch.arange(n)
             document[r, at : at + n] = d

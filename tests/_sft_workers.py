@@ -90,9 +90,16 @@ def one_process(batching: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, to
     (``batching``: "pad", "pack" with the block-diagonal mask, "pack_positions" without)."""
     tok = tokenizer()
     examples = chat_examples(packing=batching != "pad")
-    model = llama(vocab_size(tok))
+    return loss_and_grads(batch_of(batching, examples, tok.pad_token_id), vocab_size(tok))
+
+
+def loss_and_grads(
+    batch: dict[str, torch.Tensor], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The token mean (``ff.causal_lm_loss``), its count and the gradients of :func:`llama`
+    on one batch of ``input_ids`` and ``labels`` (and whatever else the model takes)."""
+    model = llama(vocab)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    batch = batch_of(batching, examples, tok.pad_token_id)
 
     def loss(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -34,47 +34,46 @@ TRL_WARNINGS = [
 ]
 
 
-def run_trl() -> dict[str, Any]:
-    from datasets import Dataset
+def trl_step(dataset: Any, folder: str, **config: Any) -> dict[str, Any]:
+    """``SFTTrainer``'s prepared dataset, and its loss and gradients on all of it in one batch
+    (``config``: ``SFTConfig`` fields)."""
     from trl import SFTConfig, SFTTrainer
 
     tok = W.tokenizer()
+    args = SFTConfig(output_dir=folder, report_to=[], use_cpu=True, **config)
+    model = W.llama(W.vocab_size(tok))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok)
+    data = trainer.train_dataset
+    batch = trainer.data_collator(list(data))
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return {"data": data, "loss": loss.detach(), "grads": grads, "batch": batch}
+
+
+def prompt_completion() -> list[dict[str, Any]]:
+    """The conversations split after their first user turn: the prompt, and the completion."""
+    out = []
+    for c in W.conversations():
+        cut = next(i for i, m in enumerate(c) if m["role"] == "user") + 1
+        out.append({"prompt": c[:cut], "completion": c[cut:]})
+    return out
+
+
+def run_trl() -> dict[str, Any]:
+    from datasets import Dataset
+
     chats = Dataset.from_list([{"messages": c} for c in W.conversations()])
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         for name, packing in (("pad", False), ("pack", True)):
-            args = SFTConfig(
-                output_dir=folder,
-                assistant_only_loss=True,
-                max_length=W.MAX_LENGTH,
-                packing=packing,
-                report_to=[],
-                use_cpu=True,
+            out[name] = trl_step(
+                chats, folder, assistant_only_loss=True, max_length=W.MAX_LENGTH, packing=packing
             )
-            model = W.llama(W.vocab_size(tok))
-            trainer = SFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tok)
-            data = trainer.train_dataset
-            batch = trainer.data_collator(list(data))
-            loss = trainer.compute_loss(model, batch)
-            loss.backward()
-            grads = {n: p.grad for n, p in model.named_parameters()}
-            out[name] = {"data": data, "loss": loss.detach(), "grads": grads, "batch": batch}
         # prompt-completion data: the first turn of each conversation as the prompt
-        split = [
-            {
-                "prompt": c[: next(i for i, m in enumerate(c) if m["role"] == "user") + 1],
-                "completion": c[next(i for i, m in enumerate(c) if m["role"] == "user") + 1 :],
-            }
-            for c in W.conversations()
-        ]
-        args = SFTConfig(
-            output_dir=folder, assistant_only_loss=True, max_length=None, report_to=[], use_cpu=True
-        )
-        model = W.llama(W.vocab_size(tok))
-        trainer = SFTTrainer(
-            model=model, args=args, train_dataset=Dataset.from_list(split), processing_class=tok
-        )
-        out["prompt_completion"] = {"data": trainer.train_dataset, "examples": split}
+        split = prompt_completion()
+        pc = trl_step(Dataset.from_list(split), folder, assistant_only_loss=True, max_length=None)
+        out["prompt_completion"] = {"data": pc["data"], "examples": split}
     return out
 
 
@@ -165,6 +164,117 @@ def test_packed_and_padded_steps_on_two_ranks_are_trls(trl, pools) -> None:
         torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
         for name, g in ref["grads"].items():
             torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6)
+
+
+def tokenized_by_trl(dataset: Any, folder: str, **config: Any) -> Any:
+    """The rows ``SFTTrainer``'s own preparation tokenizes, before it folds the masks into
+    labels (``input_ids`` with ``assistant_masks``, and ``completion_mask`` for
+    prompt-completion data): the output of its tokenizing ``Dataset.map``, recorded."""
+    from unittest import mock
+
+    from datasets import Dataset
+
+    outputs: list[Any] = []
+    original = Dataset.map
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs.append(original(self, *args, **kwargs))
+        return outputs[-1]
+
+    with mock.patch.object(Dataset, "map", recorded):
+        trl_step(dataset, folder, **config)
+    tokenized = next(d for d in outputs if "assistant_masks" in d.column_names)
+    return tokenized.remove_columns(
+        [c for c in tokenized.column_names if c in ("messages", "prompt", "completion")]
+    )
+
+
+@pytest.fixture(scope="module")
+def trl_rows() -> dict[str, Any]:
+    """Rows tokenized by TRL (chat data: ``assistant_masks``; prompt-completion data:
+    ``completion_mask`` too), and ``SFTTrainer`` fed them as they are: padded, packed, and
+    (prompt-completion) with ``completion_only_loss=True``, which reads ``completion_mask``."""
+    from datasets import Dataset
+
+    chats = Dataset.from_list([{"messages": c} for c in W.conversations()])
+    split = Dataset.from_list(prompt_completion())
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as folder:
+        for message in TRL_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        rows = tokenized_by_trl(chats, folder, assistant_only_loss=True, max_length=None)
+        masked = tokenized_by_trl(split, folder, assistant_only_loss=True, max_length=None)
+        for name, data, config in (
+            ("assistant_masks", rows, {}),
+            ("assistant_masks_packed", rows, {"packing": True}),
+            ("completion_mask", masked, {"completion_only_loss": True}),
+        ):
+            out[name] = trl_step(data, folder, max_length=W.MAX_LENGTH, **config)
+            out[name]["rows"] = data
+    return out
+
+
+@pytest.mark.parametrize("rows", ["assistant_masks", "assistant_masks_packed", "completion_mask"])
+def test_rows_tokenized_by_trl_are_taken_as_they_are(trl_rows, rows: str) -> None:
+    """Rows with ``input_ids`` and TRL's masks, never re-tokenized (no tokenizer is passed):
+    the labels, loss and gradients are those of ``SFTTrainer`` fed the same rows."""
+    ref = trl_rows[rows]
+    assert {"input_ids", "assistant_masks"} <= set(ref["rows"].column_names)
+    assert (rows == "completion_mask") == ("completion_mask" in ref["rows"].column_names)
+    packing = rows.endswith("packed")
+    examples = list(D.prepare(ref["rows"], None, W.MAX_LENGTH, packing=packing))
+    if not packing:
+        assert [e["labels"] for e in examples] == ref["data"]["labels"]
+    batch = D.pack(examples, W.MAX_LENGTH, 0) if packing else D.pad(examples, 0)
+    mean, count, grads = W.loss_and_grads(batch, W.vocab_size(W.tokenizer()))
+    assert int(count) == int((ref["batch"]["labels"][:, 1:] != -100).sum())
+    torch.testing.assert_close(mean, ref["loss"], rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("documents", ["seq_lengths", "position_ids"])
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "positions_alone"])
+def test_rows_packed_by_trl_are_kept_whole(trl, documents: str, mask: bool) -> None:
+    """``SFTTrainer``'s packed ``train_dataset`` (``input_ids``, ``labels``, ``seq_lengths``),
+    or the same rows with ``position_ids`` as TRL's collator derives them: each row is kept
+    as it is, each document gets its own positions; TRL's loss and gradients."""
+    from datasets import Dataset
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    ref = trl["pack"]
+    data = ref["data"]
+    if documents == "position_ids":
+        positions = DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths(
+            data["seq_lengths"]
+        )
+        data = Dataset.from_list(
+            [
+                {"input_ids": r["input_ids"], "labels": r["labels"], "position_ids": p.tolist()}
+                for r, p in zip(data, positions)
+            ]
+        )
+    examples = list(D.prepare(data, None, W.MAX_LENGTH))
+    assert [e["seq_lengths"] for e in examples] == ref["data"]["seq_lengths"]
+    batch = D.pack(examples, W.MAX_LENGTH, 0, mask=mask)
+    for r, row in enumerate(ref["data"]):  # the rows as TRL packed them
+        assert batch["input_ids"][r, : len(row["input_ids"])].tolist() == row["input_ids"]
+    mean, _, grads = W.loss_and_grads(batch, W.vocab_size(W.tokenizer()))
+    torch.testing.assert_close(mean, ref["loss"], rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
+
+
+def test_packed_rows_are_refused_where_they_would_leak() -> None:
+    rows = [D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "seq_lengths": [2, 1]})]
+    with pytest.raises(ValueError, match=r"pad: the examples are rows that are already packed"):
+        D.pad(rows, 0)
+    with pytest.raises(ValueError, match=r"pack: row 0 is already packed .* over the row's 2"):
+        D.pack(rows, 2, 0)
+    with pytest.raises(ValueError, match=r"seq_lengths \[2, 2\] \(sum 4\)"):
+        D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "seq_lengths": [2, 2]})
+    with pytest.raises(ValueError, match="3 input_ids but 2 labels"):
+        D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6]})
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
