@@ -50,6 +50,9 @@ from .fsdp.memory import track_memory as track_memory
 from .fsdp.policy import MixedPrecision as MixedPrecision
 from .fsdp.policy import Policy as Policy
 from .fsdp.policy import find_units as find_units
+from .fsdp.quantized_gather import QuantizedGather as QuantizedGather
+from .fsdp.quantized_gather import dequantize_blockwise as dequantize_blockwise
+from .fsdp.quantized_gather import quantize_blockwise as quantize_blockwise
 from .fsdp.tensor_peak import TensorPeak as TensorPeak
 from .fsdp.tensor_peak import tensor_peak as tensor_peak
 from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
@@ -204,6 +207,7 @@ __all__ = [
     "Policy",
     "PrepareInput",
     "ProcessPool",
+    "QuantizedGather",
     "ReplicatedParallel",
     "RowwiseParallel",
     "ScaleByAdamState",
@@ -254,6 +258,7 @@ __all__ = [
     "cosine_onecycle_schedule",
     "count_comms",
     "cp",
+    "dequantize_blockwise",
     "describe",
     "divide_by_tp",
     "dpo_loss",
@@ -298,6 +303,7 @@ __all__ = [
     "plot_losses",
     "plot_memory",
     "polynomial_schedule",
+    "quantize_blockwise",
     "rank_device",
     "rank_values",
     "reduce_from",

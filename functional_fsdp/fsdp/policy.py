@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..spec import P
+from .quantized_gather import QuantizedGather
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +98,13 @@ class Policy:
             each unit's shards are copied to the mesh's device just before its all-gather
             and reduced gradients are copied back. Offload is a placement: shards that live
             off the mesh's device are copied this way under any policy.
+        gather_quantization: send each unit's all-gather as blockwise int8
+            (:class:`~functional_fsdp.QuantizedGather`, ZeRO++'s qwZ): about a quarter of
+            fp32's bytes; the shards at rest stay exact. ``None``: exact gathers.
 
     Example:
         >>> Policy(reshard_after_forward=False, prefetch=2)  # SHARD_GRAD_OP, two units ahead
-        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False)
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False, gather_quantization=None)
     """
 
     reshard_after_forward: bool
@@ -109,6 +113,7 @@ class Policy:
     activation_checkpointing: bool | Callable[[str], bool]
     grad_reduce: Literal["mean", "sum", "none"]
     offload: bool
+    gather_quantization: QuantizedGather | None
 
     def __init__(
         self,
@@ -119,6 +124,7 @@ class Policy:
         activation_checkpointing: bool | Callable[[str], bool] = False,
         grad_reduce: Literal["mean", "sum", "none"] = "mean",
         offload: bool = False,
+        gather_quantization: QuantizedGather | None = None,
         checkpoint: bool | Callable[[str], bool] | None = None,
     ) -> None:
         if checkpoint is not None:  # the old name of activation_checkpointing
@@ -141,6 +147,7 @@ class Policy:
             ("activation_checkpointing", activation_checkpointing),
             ("grad_reduce", grad_reduce),
             ("offload", offload),
+            ("gather_quantization", gather_quantization),
         ):
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -158,6 +165,12 @@ class Policy:
             )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Policy(prefetch={self.prefetch!r}): use an int >= 0.")
+        q = self.gather_quantization
+        if q is not None and not isinstance(q, QuantizedGather):
+            raise TypeError(
+                f"Policy(gather_quantization={q!r}): pass ff.QuantizedGather(block_size=...) "
+                f"(blockwise int8 all-gathers), or None for exact gathers."
+            )
 
 
 Forward = Callable[..., Any]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from .gradients import mean_divisor
 from .layout import ModelLayout, Round, UnitLayout, gather_dtype
 from .memory import EventKind, MemoryTracker, Phase
 from .policy import Policy
+from .quantized_gather import QuantizedGather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +170,32 @@ class Unit:
             self.prefetched.clear()
             self.note("free", phase, self.token)
 
+    def _quantized(self, r: int) -> QuantizedGather | None:
+        """The quantization of round ``r``'s all-gather: a first round of floating values
+        under ``Policy(gather_quantization=...)``, else ``None``."""
+        q, rnd = self.ctx.policy.gather_quantization, self.layout.rounds[r]
+        return q if q is not None and rnd.first and rnd.dtype.is_floating_point else None
+
     def _issue(self, r: int, inputs: list[torch.Tensor]) -> torch.Tensor:
         """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order)."""
         layout, ctx = self.layout, self.ctx
+        q = self._quantized(r)
+        if q is not None:  # int8 blocks and their scales, in one collective
+            inputs = [q.pack(inputs)]
         return issue_gather(
             inputs, ctx.mesh, layout.rounds[r], counters=ctx.counters, meta=layout.labels[r]
         )
+
+    def _received(self, r: int, gathered: torch.Tensor) -> torch.Tensor:
+        """Round ``r``'s all-gather output as ``[n, sum of the pieces' local numels]``."""
+        q = self._quantized(r)
+        if q is None:
+            return gathered
+        rnd = self.layout.rounds[r]
+        numels = [math.prod(p.local_shape) for p in rnd.pieces]
+        out = q.unpack(gathered.view(rnd.size, -1), numels, rnd.dtype)
+        C.release(gathered)
+        return out
 
     def gather(
         self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None] | None = None
@@ -199,7 +221,7 @@ class Unit:
             pending = self.prefetched.pop(r, None)
             if pending is None:
                 pending = self._issue(r, [current[p.index] for p in rnd.pieces])
-            gathered = C.wait(pending)  # [n, sum of the pieces' local numels]
+            gathered = self._received(r, C.wait(pending))  # [n, the pieces' local numels]
             n = rnd.size
             if len(rnd.pieces) == 1 and rnd.pieces[0].dim == 0 and into is None and n > 1:
                 outs = [gathered.view(rnd.pieces[0].padded_shape(n))]  # already in place
