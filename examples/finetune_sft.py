@@ -15,7 +15,9 @@ the global batch as the loss, a resumable sharded loader.
    ``--batching pack`` packs it into rows of ``--max-length`` tokens, best fit decreasing
    (TRL's default ``packing_strategy="bfd"``; ``--packing-strategy in_order``), with
    per-document ``position_ids`` and a block-diagonal causal mask (``--padding-free``: the
-   ``position_ids`` alone, which sdpa and eager attention honour with ``use_cache=False``).
+   ``position_ids`` alone, which sdpa and eager attention honour with ``use_cache=False``);
+   ``--batching flatten`` concatenates each micro-batch's examples into one row with
+   transformers' ``DataCollatorWithFlattening`` (TRL's ``padding_free`` without packing).
 3. The loss: ``ff.causal_lm_loss`` returns ``(sum of the trained tokens' cross entropy,
    their count)``, so the step's loss and gradient are the global sum over the global count:
    the token mean of the global batch, as one process computes it and as TRL's and Hugging
@@ -58,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8, help="examples per rank and step")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
-    p.add_argument("--batching", choices=("pad", "pack"), default="pad")
+    p.add_argument("--batching", choices=("pad", "pack", "flatten"), default="pad")
     p.add_argument("--packing-strategy", choices=("bfd", "in_order"), default="bfd")
     p.add_argument("--padding-free", action="store_true", help="packed rows without the mask")
     p.add_argument("--max-length", type=int, default=64, help="tokens kept; the packed row")
@@ -114,6 +116,9 @@ def main() -> None:
     if packing:
         options = dict(strategy=args.packing_strategy, mask=not args.padding_free)
         collate = lambda b: sft_data.pack(b, args.max_length, pad_id, args.accumulate, **options)  # noqa: E731
+    elif args.batching == "flatten":  # one row per micro-batch, DataCollatorWithFlattening's
+        mask = not args.padding_free
+        collate = lambda b: sft_data.flatten(b, pad_id, args.accumulate, mask=mask)  # noqa: E731
     else:
         collate = lambda b: sft_data.pad(b, pad_id, args.accumulate)  # noqa: E731
     batches = sft_data.Batches(examples, args.batch_size, collate, rank, world, args.seed)

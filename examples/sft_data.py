@@ -27,9 +27,10 @@ is not trained; the loss shifts them (``ff.causal_lm_loss``, or transformers' ow
   over-long example truncated (TRL's ``bfd``) or refused; rows packed already are kept
   whole. Each token carries its position within its own document (``position_ids``, as
   ``DataCollatorWithFlattening``), each document's first label is ``-100``, and the batch
-  carries a block-diagonal causal mask,
-  optionally: transformers' sdpa and eager attention isolate documents from ``position_ids``
-  alone when the model runs with ``use_cache=False`` (measured in ``tests/test_sft.py``).
+  carries a block-diagonal causal mask, optionally: transformers' sdpa and eager attention isolate documents from ``position_ids``
+  alone when the model runs with ``use_cache=False`` and no other mask (measured in
+  ``tests/test_sft.py``). :func:`flatten` batches with transformers'
+  ``DataCollatorWithFlattening`` instead, one row per micro-batch.
 * :class:`Batches` is a ``torchdata`` ``StatefulDataLoader`` over this data rank's share
   (``DistributedSampler``), epoch after epoch; its position is a small tensor to save in a
   checkpoint, so a resumed run reads exactly the batches the uninterrupted one would.
@@ -497,7 +498,8 @@ def pack(
         mask: add the additive ``[rows, 1, length, length]`` block-diagonal causal mask as
             ``attention_mask`` (a token sees only the earlier tokens of its own document).
             Without it, the attention must isolate documents from ``position_ids``, which
-            transformers' sdpa and eager attention do only with ``use_cache=False``.
+            transformers' sdpa and eager attention do only with ``use_cache=False`` and no
+            other mask.
 
     ``position_ids`` restart at 0 for each document (and are 0 on padding); each document's
     first label is -100, so that no document is trained to predict the next one's first
@@ -512,26 +514,94 @@ def pack(
     ids = torch.full((count, length), pad_id)
     labels = torch.full((count, length), -100)
     positions = torch.zeros((count, length), dtype=torch.long)
-    document = torch.full((count, length), -1)
     for r, row in enumerate(bins):
         at = 0
-        for d, i in enumerate(row):
+        for i in row:
             doc_ids, doc_labels = documents[i]
             n = len(doc_ids)
             ids[r, at : at + n] = torch.tensor(doc_ids)
             labels[r, at : at + n] = torch.tensor(doc_labels)
             labels[r, at] = -100
             positions[r, at : at + n] = torch.arange(n)
-            document[r, at : at + n] = d
             at += n
     out = {"input_ids": ids, "labels": labels, "position_ids": positions}
     if mask:
-        same = document[:, :, None] == document[:, None, :]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        # Padding attends to itself only, so that no row of the softmax is empty.
-        allowed = (same & causal) | torch.eye(length, dtype=torch.bool)
-        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        out["attention_mask"] = additive[:, None]
+        out["attention_mask"] = block_causal_mask(positions)
+    return out
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The additive ``[rows, 1, length, length]`` causal mask of packed rows: a token sees the
+    earlier tokens of its own document, a document starting wherever ``position_ids`` is 0
+    (so each padding token, at position 0, sees itself only and no softmax row is empty).
+
+    Example:
+        >>> (block_causal_mask(torch.tensor([[0, 1, 0]]))[0, 0] == 0).int().tolist()
+        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    """
+    document = (position_ids == 0).cumsum(-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (document[:, :, None] == document[:, None, :]) & causal
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return additive[:, None]
+
+
+def flatten(
+    examples: Sequence[dict[str, Any]], pad_id: int, rows: int = 1, *, mask: bool = True
+) -> dict:
+    """transformers' ``DataCollatorWithFlattening``, one row per micro-batch: the examples
+    split in order into ``rows`` groups, each group's examples concatenated into one row
+    (``position_ids`` restarting at 0 for each, its first label -100), the rows right-padded
+    to the longest (labels -100, ``position_ids`` 0).
+
+    This is TRL's ``padding_free=True`` without packing: no row has a fixed length, nothing
+    is reordered, and each micro-batch pads only to the longest micro-batch. ``pack`` fills
+    rows of a fixed length instead. The collator flattens a whole batch into one row; the
+    step splits the batch's rows into micro-batches, hence one row each.
+
+    Args:
+        examples: ``input_ids`` and ``labels`` (aligned) of each example.
+        pad_id: the padding token.
+        rows: rows of the batch (the step's micro-batches).
+        mask: add :func:`block_causal_mask` as ``attention_mask``. Without it the attention
+            must isolate the documents from ``position_ids`` alone, which transformers'
+            sdpa and eager attention do only with ``use_cache=False`` and no other mask.
+
+    Example:
+        >>> batch = flatten([{"input_ids": [5, 6], "labels": [5, 6]},
+        ...                  {"input_ids": [7, 8, 9], "labels": [-100, 8, 9]}], 0, mask=False)
+        >>> batch["position_ids"].tolist(), batch["labels"].tolist()
+        ([[0, 1, 0, 1, 2]], [[-100, 6, -100, 8, 9]])
+    """
+    from transformers import DataCollatorWithFlattening
+
+    if any("seq_lengths" in e for e in examples):
+        raise ValueError(
+            "flatten: the examples are rows that are already packed (they carry "
+            "seq_lengths); DataCollatorWithFlattening would take each row for one document. "
+            "Batch them with pack(...), which keeps each row whole."
+        )
+    collator = DataCollatorWithFlattening(return_tensors="pt")
+    n = len(examples)
+    groups = [examples[r * n // rows : (r + 1) * n // rows] for r in range(rows)]
+    flat = [
+        collator([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in g]) if g else None
+        for g in groups
+    ]
+    length = max([1] + [f["input_ids"].shape[1] for f in flat if f is not None])
+    ids = torch.full((rows, length), pad_id)
+    labels = torch.full((rows, length), -100)
+    positions = torch.zeros((rows, length), dtype=torch.long)
+    for r, f in enumerate(flat):
+        if f is not None:
+            width = f["input_ids"].shape[1]
+            ids[r, :width] = f["input_ids"][0]
+            labels[r, :width] = f["labels"][0]
+            positions[r, :width] = f["position_ids"][0]
+    out = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    if mask:
+        out["attention_mask"] = block_causal_mask(positions)
     return out
 
 

@@ -68,13 +68,13 @@ def chat_examples(packing: bool = False) -> list[dict[str, list[int]]]:
     return list(D.prepare(data, tokenizer(), MAX_LENGTH, packing=packing))
 
 
-def llama(vocab: int) -> torch.nn.Module:
+def llama(vocab: int, attention: str = "sdpa", use_cache: bool = False) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     config = tiny_llama_config(vocab_size=vocab, max_position_embeddings=64)
-    config._attn_implementation = "sdpa"
-    config.use_cache = False
+    config._attn_implementation = attention
+    config.use_cache = use_cache
     return LlamaForCausalLM(config)
 
 
@@ -94,16 +94,17 @@ def one_process(batching: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, to
 
 
 def loss_and_grads(
-    batch: dict[str, torch.Tensor], vocab: int
+    batch: dict[str, torch.Tensor], vocab: int, **model: Any
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The token mean (``ff.causal_lm_loss``), its count and the gradients of :func:`llama`
-    on one batch of ``input_ids`` and ``labels`` (and whatever else the model takes)."""
-    model = llama(vocab)
-    params = {n: p.detach() for n, p in model.named_parameters()}
+    (built with ``model``) on one batch of ``input_ids`` and ``labels`` (and whatever else
+    the model takes)."""
+    net = llama(vocab, **model)
+    params = {n: p.detach() for n, p in net.named_parameters()}
 
     def loss(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = torch.func.functional_call(model, p, (), inputs).logits
+        logits = torch.func.functional_call(net, p, (), inputs).logits
         total, count = ff.causal_lm_loss(logits, batch["labels"])
         return total / count, count
 

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+import functional_fsdp as ff
+
 from . import _sft_workers as W
 
 D = W.sft_data()
@@ -275,6 +277,64 @@ def test_packed_rows_are_refused_where_they_would_leak() -> None:
         D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "seq_lengths": [2, 2]})
     with pytest.raises(ValueError, match="3 input_ids but 2 labels"):
         D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6]})
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "positions_alone"])
+def test_flattening_collator_gives_the_packed_loss(trl, mask: bool) -> None:
+    """``DataCollatorWithFlattening`` one row per micro-batch (2 rows, documents in order,
+    no fixed row length): each document starts at position 0 with its first label -100, and
+    the loss and gradients are those of the best-fit packed rows with the block-diagonal
+    mask, and TRL's on the same examples."""
+    tok = W.tokenizer()
+    examples = W.chat_examples()
+    flat = D.flatten(examples, tok.pad_token_id, rows=2, mask=mask)
+    assert flat["input_ids"].shape[0] == 2 and ("attention_mask" in flat) == mask
+    real = flat["input_ids"] != tok.pad_token_id
+    starts = (flat["position_ids"] == 0) & real
+    half = len(examples) // 2
+    assert starts.sum(1).tolist() == [half, len(examples) - half]  # one document each
+    assert (flat["labels"][starts] == -100).all()
+    packed = D.pack(examples, W.MAX_LENGTH, tok.pad_token_id)
+    assert packed["input_ids"].shape[1] != flat["input_ids"].shape[1]
+    ref_mean, ref_count, ref_grads = W.loss_and_grads(packed, W.vocab_size(tok))
+    mean, count, grads = W.loss_and_grads(flat, W.vocab_size(tok))
+    assert int(count) == int(ref_count)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mean, trl["pad"]["loss"], rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="flatten: the examples are rows that are already packed"):
+        D.flatten([{"input_ids": [1, 2], "labels": [1, 2], "seq_lengths": [1, 1]}], 0)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_which_attention_isolates_packed_documents_from_position_ids(attention: str) -> None:
+    """What the guide says, measured (transformers 5.24, a Llama from a config, the packed
+    chat rows): with ``position_ids`` alone, ``use_cache=False`` and no other mask, the loss
+    is that of the explicit block-diagonal mask; with the cache on (a fresh ``LlamaConfig``'s
+    default), or with a 2-D ``attention_mask`` beside the positions, documents see each
+    other and the loss moves. The explicit mask gives the padded (one document per row) loss
+    either way."""
+    tok = W.tokenizer()
+    vocab, pad_id = W.vocab_size(tok), tok.pad_token_id
+    examples = W.chat_examples()
+    masked = D.pack(examples, W.MAX_LENGTH, pad_id)
+    alone = {k: v for k, v in masked.items() if k != "attention_mask"}
+    two_d = {**alone, "attention_mask": torch.ones_like(alone["input_ids"])}
+
+    def loss(batch: dict[str, torch.Tensor], use_cache: bool) -> torch.Tensor:
+        model = W.llama(vocab, attention, use_cache)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            total, count = ff.causal_lm_loss(model(**inputs).logits, batch["labels"])
+        return total / count
+
+    padded = loss(D.pad(examples, pad_id), use_cache=False)
+    for use_cache in (False, True):
+        torch.testing.assert_close(loss(masked, use_cache), padded, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss(alone, use_cache=False), padded, rtol=1e-6, atol=1e-6)
+    assert (loss(alone, use_cache=True) - padded).abs() > 1e-5  # documents leak
+    assert (loss(two_d, use_cache=False) - padded).abs() > 1e-5  # the 2-D mask turns it off
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
