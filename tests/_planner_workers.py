@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import functional_fsdp as ff
+from functional_fsdp.cp.attention import COMM_LABEL
 from functional_fsdp.fsdp.memory import track_memory
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
 from functional_fsdp.train import local_batch
@@ -26,10 +27,13 @@ TP_CFG = GPTConfig(n_layer=2, vocab_size=64, n_embd=32, n_head=4, block_size=16)
 BATCH, SEQ = 8, 12
 
 
-def llama_config() -> Any:
+CP_KINDS = ("llama_cp", "llama_cp_padded")  # context parallel: a dict batch with position_ids
+
+
+def llama_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    sizes = dict(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -39,6 +43,7 @@ def llama_config() -> Any:
         max_position_embeddings=32,
         use_cache=False,
     )
+    return LlamaConfig(**{**sizes, **overrides})
 
 
 def build(kind: str, n_layer: int | None = None) -> nn.Module:
@@ -52,24 +57,53 @@ def build(kind: str, n_layer: int | None = None) -> nn.Module:
         from transformers import LlamaForCausalLM
 
         return LlamaForCausalLM(llama_config())
+    if kind in CP_KINDS:
+        from transformers import LlamaForCausalLM
+
+        layers = dict(num_hidden_layers=n_layer) if n_layer else {}
+        cfg = llama_config(attn_implementation=ff.cp.register_attention(), **layers)
+        return LlamaForCausalLM(cfg)
     raise ValueError(kind)
 
 
+def tp_plan(kind: str) -> dict:
+    """The tensor-parallel plan of a case's model (logits all-gathered: a plain loss)."""
+    if kind in CP_KINDS:
+        return ff.llama_plan(llama_config(), loss_parallel=False)
+    return gpt_plan(TP_CFG, loss_parallel=False)
+
+
 def vocab(kind: str) -> int:
-    return {"gpt": GPT_CFG.vocab_size, "gpt_tp": TP_CFG.vocab_size, "llama": 96}[kind]
+    return {"gpt": GPT_CFG.vocab_size, "gpt_tp": TP_CFG.vocab_size}.get(kind, 96)
 
 
 def logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def call(kind: str, f: Any, params: Any, x: torch.Tensor) -> Any:
+def call(kind: str, f: Any, params: Any, x: Any) -> Any:
+    if kind in CP_KINDS:
+        return f.apply(params, **x)
     return f.apply(params, input_ids=x) if kind == "llama" else f.apply(params, x)
+
+
+def cp_inputs(kind: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model inputs of a context-parallel case: token ids, their global positions and,
+    for ``llama_cp_padded``, a padding mask (rows after the first end in padding)."""
+    out = {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ).clone()}
+    if kind == "llama_cp_padded":
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        for r in range(1, BATCH):
+            mask[r, SEQ - r % 4 :] = 0
+        out["attention_mask"] = mask.to(ids.device)
+    return {k: v.to(ids.device) for k, v in out.items()}
 
 
 def planner_batch(kind: str) -> Any:
     """The global batch as ``ff.plan`` takes it (on meta)."""
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    if kind in CP_KINDS:
+        return cp_inputs(kind, ids)
     return {"input_ids": ids} if kind == "llama" else (ids,)
 
 
@@ -90,7 +124,7 @@ def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any]:
     fsdp_kwargs = dict(case.get("fsdp", {}))
     if case.get("tp"):
         # (verify=False: random batches drawn on a simulated mesh differ per rank, tp too)
-        tp = ff.tensor_parallel(model, mesh, gpt_plan(TP_CFG, loss_parallel=False), verify=False)
+        tp = ff.tensor_parallel(model, mesh, tp_plan(kind), verify=False)
         fsdp_kwargs.update(specs=tp.specs, wrappers=tp.wrappers, data_axes=tp.data_axes)
     f = ff.fsdp(model, mesh, **fsdp_kwargs)
     opt = optimizer()
@@ -105,10 +139,11 @@ def _setup(case: dict, mesh: Any) -> tuple[Any, Any, Any]:
     return f, step, state
 
 
-def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(kind: str) -> tuple[Any, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
-    return ids, torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, vocab(kind), (BATCH, SEQ), generator=g)
+    return (cp_inputs(kind, ids) if kind in CP_KINDS else ids), tgt
 
 
 def step_comms(case: dict, mesh: Any) -> dict:
@@ -117,6 +152,16 @@ def step_comms(case: dict, mesh: Any) -> dict:
     with ff.count_comms() as comms:
         step(state, _batch(case["model"]))
     return comms.by_kind_and_axis()
+
+
+def by_label(comms: ff.CommCounter, label: str) -> dict:
+    """``{(kind, axis): (count, bytes)}`` of the records labelled ``label``."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for r in comms.records:
+        if r.label == label:
+            n, b = out.get((r.kind, r.axis), (0, 0))
+            out[(r.kind, r.axis)] = (n + 1, b + r.bytes)
+    return out
 
 
 def measure(case: dict) -> dict:
@@ -139,6 +184,7 @@ def measure(case: dict) -> dict:
     grads = torch.func.grad(lambda p: lm_loss(logits_of(call(kind, f, p, x)), y))(state.params)
     return {
         "comms": comms.by_kind_and_axis(),
+        "cp_comms": by_label(comms, COMM_LABEL),
         "gathered_peak": memory.peak_bytes,
         "param_bytes": nbytes(state.params),
         "grad_bytes": nbytes(grads),

@@ -9,6 +9,7 @@ the storages a plain-autograd forward keeps for backward.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan
-from functional_fsdp.planner import compare_strategies, plan
+from functional_fsdp.planner import PlanReport, compare_strategies, plan
 
 from . import _planner_workers as W
 
@@ -53,6 +54,24 @@ CASES_4 = {
     "hsdp": dict(model="gpt", mesh={"replicate": 2, "shard": 2}),
     "fsdp_tp": dict(model="gpt_tp", mesh={"dp": 2, "tp": 2}, tp=True),
 }
+# Context parallelism: a Llama whose attention is ff.cp.attention, each sequence split over
+# "cp" (two chunks per rank); its keys and values (and positions, and a padding mask) are
+# all-gathered per layer, again in a checkpointed layer's recompute, and their gradients
+# reduce-scattered: the planner books those under the source "cp".
+CASES_CP_2 = {
+    "llama_cp2": dict(model="llama_cp", mesh={"cp": 2}),
+    # With a padding mask in the batch (whether transformers hands it to a registered
+    # attention is its version's choice; the plan counts what the step issues either way).
+    "llama_cp2_padded_ckpt": dict(
+        model="llama_cp_padded",
+        mesh={"cp": 2},
+        fsdp=dict(policy=ff.Policy(activation_checkpointing=True)),
+    ),
+}
+CASES_CP_4 = {
+    "llama_dp2_cp2": dict(model="llama_cp", mesh={"dp": 2, "cp": 2}),
+    "llama_cp2_tp2": dict(model="llama_cp", mesh={"cp": 2, "tp": 2}, tp=True),
+}
 
 
 def planned(case: dict) -> ff.planner.PlanReport:
@@ -60,7 +79,7 @@ def planned(case: dict) -> ff.planner.PlanReport:
         model = W.build(case["model"], case.get("n_layer"))
     kwargs = dict(case.get("fsdp", {}))
     if case.get("tp"):
-        kwargs["tp_plan"] = gpt_plan(W.TP_CFG, loss_parallel=False)
+        kwargs["tp_plan"] = W.tp_plan(case["model"])
     step = case.get("step", {})
     return plan(
         model,
@@ -78,9 +97,16 @@ def measure_all(cases: dict) -> dict:
     return {name: W.measure(case) for name, case in cases.items()}
 
 
+def by_source(report: PlanReport, source: str) -> dict:
+    """``{(kind, axis): (count, bytes)}`` of a report's collectives from one source."""
+    return {(c.kind, c.axis): (c.count, c.bytes) for c in report.comms if c.source == source}
+
+
 def check(name: str, case: dict, measured: dict) -> None:
     report = planned(case)
     assert report.by_kind_and_axis() == measured["comms"], name
+    # The attention's collectives (labelled by it in the step) are those booked as "cp".
+    assert by_source(report, "cp") == measured["cp_comms"], name
     assert report.param_bytes == measured["param_bytes"], name
     assert report.grad_bytes == measured["grad_bytes"], name
     assert report.opt_state_bytes == measured["opt_state_bytes"], name
@@ -107,6 +133,22 @@ def test_gloo_plan_matches_measured_steps_on_2x2(pools):
         check(name, case, results[0][name])
 
 
+@pytest.mark.multiprocess
+def test_gloo_plan_matches_measured_context_parallel_steps_on_2_ranks(pools):
+    results = pools.run(2, measure_all, CASES_CP_2)
+    for name, case in CASES_CP_2.items():
+        assert results[0][name]["cp_comms"], name  # the attention did gather over cp
+        check(name, case, results[0][name])
+
+
+@pytest.mark.multiprocess
+def test_gloo_plan_matches_measured_context_parallel_steps_on_2x2(pools):
+    results = pools.run(4, measure_all, CASES_CP_4)
+    for name, case in CASES_CP_4.items():
+        assert results[0][name]["cp_comms"], name
+        check(name, case, results[0][name])
+
+
 # Simulated meshes (real numerics, one process) for the rest: ZeRO-2 on dp=4 with
 # accumulation, and models of 4 identical blocks, which the planner runs as 2 and 3 blocks and
 # extrapolates (ZeRO-1's one reduce-scatter and all-gather of the whole model included).
@@ -130,6 +172,11 @@ CASES_SIM = {
     ),
     "hsdp_4_blocks": {**CASES_4["hsdp"], "n_layer": 4},
     "fsdp_tp_4_blocks": {**CASES_4["fsdp_tp"], "n_layer": 4},
+    "llama_dp2_cp2_ckpt_4_blocks": {
+        **CASES_CP_4["llama_dp2_cp2"],
+        "n_layer": 4,
+        "fsdp": dict(policy=ff.Policy(activation_checkpointing=True)),
+    },
 }
 
 
@@ -435,3 +482,141 @@ def test_strategies_priced_together_equal_each_priced_alone():
     for name in ("zero1", "zero3", "hsdp"):  # each shares entries with one priced before it
         (alone,) = compare_strategies(model, 4, strategies=(name,), **kwargs).reports
         assert alone == together[name], name
+
+
+# --------------------------------------------------------------------------- context parallelism
+
+
+def _cp_llama(n_layer: int | None = None) -> torch.nn.Module:
+    with torch.device("meta"):
+        return W.build("llama_cp", n_layer)
+
+
+def _cp_batch(rows: int, length: int) -> dict:
+    ids = torch.zeros(rows, length, dtype=torch.long, device="meta")
+    return {"input_ids": ids, "position_ids": ids.clone()}
+
+
+def test_a_cp_rank_keeps_its_tokens_activations_and_the_gathered_keys_and_values():
+    model, cfg = _cp_llama(), W.llama_config()
+    rows, length = 2, 64
+    act = {
+        cp: plan(model, {"cp": cp}, batch=_cp_batch(rows, length)).activation_bytes
+        for cp in (1, 2, 4)
+    }
+    assert act[4] < act[2] < act[1]  # the sequence is split: activations shrink with cp
+    for cp in (2, 4):
+        # The same local tokens without a split (the batch's rows over "cp" instead):
+        # the split keeps more, the keys and values of the whole sequence at least (per
+        # layer, for each query head: grouped-query attention repeats them for the kernel).
+        local = plan(
+            model,
+            {"cp": cp},
+            batch=_cp_batch(rows * cp, length // cp),
+            sequence_axis=None,
+        ).activation_bytes
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        gathered = length - length // cp
+        kv = 2 * rows * cfg.num_attention_heads * gathered * head_dim * 4  # fp32 K and V
+        assert act[cp] - local >= cfg.num_hidden_layers * kv, cp
+        assert act[cp] > act[1] / cp
+
+
+def test_cp_traffic_is_booked_as_cp_and_left_out_without_a_batch():
+    model, cfg = _cp_llama(), W.llama_config()
+    rows, length, cp = 4, 32, 2
+    report = plan(model, {"dp": 2, "cp": cp}, batch=_cp_batch(rows, length), optimizer=None)
+    assert report.sequence_axis == "cp" and report.to_dict()["sequence_axis"] == "cp"
+    attention = by_source(report, "cp")
+    # Per layer: keys and values all-gathered (and positions), their gradients reduce-scattered.
+    local = (rows // 2) * cfg.num_key_value_heads * (length // cp) * 8 * 4  # one K, fp32
+    layers = cfg.num_hidden_layers
+    assert attention[("reduce_scatter", "cp")] == (2 * layers, 2 * layers * local * (cp - 1))
+    assert attention[("all_gather", "cp")][0] == 3 * layers
+    assert all(c.axis == "cp" for c in report.comms if c.source == "cp")
+    assert {c.source for c in report.comms if c.axis == "cp"} >= {"fsdp", "cp"}
+    text = " ".join(report.summary().split())  # the table wraps its title and caption
+    assert "cp splits each sequence" in text and "source cp: context-parallel" in text
+    assert any(c["source"] == "cp" for c in report.to_dict()["comms"])
+    no_batch = plan(model, {"dp": 2, "cp": cp}, optimizer=None)
+    assert not by_source(no_batch, "cp") and no_batch.activation_bytes is None
+
+
+def test_cp_errors_name_the_sequence_and_the_fix():
+    model = _cp_llama()
+    with pytest.raises(
+        ValueError,
+        match=r"batch\['input_ids'\] of shape \(4, 30\) has a sequence of 30 tokens.*"
+        r"2·cp = 4 equal chunks over the 'cp' axis of Mesh\(dp=2, cp=2\).*sequences of 32 "
+        r"tokens.*ff\.cp\.pad_sequence\(batch, 4\)",
+    ):
+        plan(model, {"dp": 2, "cp": 2}, batch=_cp_batch(4, 30))
+    with pytest.raises(
+        ValueError,
+        match=r"does not split over the 2 data-parallel ranks of Mesh\(dp=2, cp=2\) "
+        r"\(data axes \('dp', 'cp'\); 'cp' splits the sequence\); use a batch size that is a "
+        r"multiple of 2",
+    ):
+        plan(model, {"dp": 2, "cp": 2}, batch=_cp_batch(3, 32))
+    with pytest.raises(ValueError, match=r"ff\.plan\(sequence_axis='tp'\).*data axes"):
+        plan(model, {"dp": 2, "tp": 2}, sequence_axis="tp")
+    with pytest.raises(ValueError, match=r"tp=3 does not divide world_size/cp=8/2=4"):
+        compare_strategies(
+            model, 8, cp=2, tp=3, tp_plan=W.tp_plan("llama_cp"), strategies=("fsdp+tp",)
+        )
+    with pytest.raises(ValueError, match=r"hsdp_shard=8 does not divide world_size/cp=8/2=4"):
+        compare_strategies(model, 8, cp=2, strategies=("hsdp",))
+    with pytest.raises(ValueError, match=r"cp=3 does not divide world_size=8"):
+        compare_strategies(model, 8, cp=3)
+
+
+def test_compare_strategies_on_a_cp_mesh_equals_each_plan():
+    model = _cp_llama()
+    batch = _cp_batch(4, 32)
+    cmp = compare_strategies(
+        model,
+        8,
+        cp=2,
+        batch=batch,
+        tp=2,
+        hsdp_shard=2,
+        tp_plan=W.tp_plan("llama_cp"),
+        strategies=("zero2", "zero3", "hsdp", "fsdp+tp"),
+    )
+    meshes = [r.mesh for r in cmp.reports]
+    assert meshes == [
+        {"dp": 4, "cp": 2},
+        {"dp": 4, "cp": 2},
+        {"replicate": 2, "shard": 2, "cp": 2},
+        {"dp": 2, "cp": 2, "tp": 2},
+    ]
+    for r in cmp.reports:
+        assert by_source(r, "cp"), r.name
+    zero3 = plan(model, {"dp": 4, "cp": 2}, batch=batch, name="zero3")
+    assert cmp["zero3"] == zero3
+    zero2 = plan(model, {"dp": 4, "cp": 2}, batch=batch, specs=ff.P(), opt_specs=ff.P(("dp", "cp")))
+    assert cmp["zero2"].opt_state_bytes == zero2.opt_state_bytes < cmp["zero3"].param_bytes * 3
+    assert "cp=2" in str(cmp)
+
+
+def test_plot_comms_shows_the_attentions_collectives_as_their_own_layer():
+    pytest.importorskip("matplotlib")
+    case = CASES_CP_4["llama_dp2_cp2"]
+    with ff.simulated_mesh(case["mesh"]) as mesh:
+        _, step, state = W._setup(case, mesh)
+        with ff.count_comms() as comms:
+            step(state, W._batch(case["model"]))
+    report = dataclasses.replace(planned(case), name="dp2_cp2")
+    ax = ff.plot_comms(report, measured={"dp2_cp2": comms})
+    heights = {c.get_label(): sum(p.get_height() for p in c.patches) for c in ax.containers}
+    attention = by_source(report, "cp")
+    assert attention and set(attention) == {("all_gather", "cp"), ("reduce_scatter", "cp")}
+    for (kind, axis), (_, nbytes) in attention.items():
+        label = f"{kind} over {axis} (attention)"
+        # The planned layer and the measured one (its records' label) are the same bytes.
+        assert heights[label] == pytest.approx(heights[f"_measured {label}"])
+        assert heights[label] * 1024 == pytest.approx(nbytes)  # drawn in KiB
+    fsdp = sum(c.bytes for c in report.comms if c.axis == "cp" and c.kind == "all_gather")
+    assert heights["all_gather over cp"] * 1024 == pytest.approx(
+        fsdp - attention[("all_gather", "cp")][1]
+    )

@@ -201,3 +201,33 @@ def _redirect_stderr(target: io.StringIO):
     import contextlib
 
     return contextlib.redirect_stderr(target)
+
+
+def test_a_cp_axis_splits_sequences_in_every_strategy(llama_dir, monkeypatch):
+    config = tiny_llama_config()
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=ff.cp.register_attention()
+        )
+    strategies = ("zero2", "zero3")
+    expected = ff.compare_strategies(model, 4, cp=2, batch=(2, 16), strategies=strategies)
+    got = _cli_json(
+        str(llama_dir), "--mesh", "dp=2,cp=2", "--seq", "16", "--strategies", "zero2,zero3"
+    )
+    assert got["reports"] == _api_json(expected)  # the batch: one sequence per cp group
+    for report in got["reports"]:
+        assert report["mesh"] == {"dp": 2, "cp": 2} and report["sequence_axis"] == "cp"
+        assert {c["source"] for c in report["comms"] if c["axis"] == "cp"} >= {"cp", "fsdp"}
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    assert _cli.run([str(llama_dir), "--mesh", "dp=2,cp=2", "--seq", "16"], file=out) == 0
+    text = out.getvalue()
+    assert max(map(len, text.splitlines())) <= 80 and "…" not in text
+    traffic = text.split("traffic per step")[1].splitlines()
+    header = next(line for line in traffic if line.split()[:2] == ["strategy", "mesh"])
+    assert header.split() == ["strategy", "mesh", "collective", "axis", "by", "count", "bytes"]
+    cp_rows = [line.split() for line in traffic if line.split()[-4:-2] == ["cp", "cp"]]
+    assert len(cp_rows) == 2 * 5  # the attention's gathers and reduce-scatters, per strategy
+    assert "source cp: context-parallel attention" in text

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..distributed.accounting import labelled
 from ..distributed.axes import axis_sizes, describe_mesh
 from ..distributed.collectives import all_gather
 from ..distributed.simulate import rank_values
@@ -40,6 +41,10 @@ from .layout import gathered_index, sequence_positions
 
 ATTENTION_NAME = "functional_fsdp_cp"
 """The name :func:`register_attention` registers with transformers' ``AttentionInterface``."""
+
+COMM_LABEL = "cp"
+"""The label (:attr:`functional_fsdp.CommRecord.label`) of the attention's collectives: the
+gathers of keys, values, positions and padding, and the reduce-scatters of their gradients."""
 
 
 @dataclass
@@ -182,8 +187,9 @@ def attention(
         order = None
     else:
         assert split is not None
-        key = all_gather(key, split.mesh, split.axis, dim=2)
-        value = all_gather(value, split.mesh, split.axis, dim=2)
+        with labelled(COMM_LABEL):
+            key = all_gather(key, split.mesh, split.axis, dim=2)
+            value = all_gather(value, split.mesh, split.axis, dim=2)
         q_index = sequence_positions(split.mesh, split.axis, local, device)
         k_index = gathered_index(local, cp, device)
         order = torch.argsort(k_index)
@@ -196,7 +202,9 @@ def attention(
     if position_ids is not None:
         pos = position_ids.expand(query.shape[0], -1)
         if split is not None and cp > 1:
-            pos = all_gather(pos, split.mesh, split.axis, dim=1)[:, order]  # global order
+            with labelled(COMM_LABEL):
+                pos = all_gather(pos, split.mesh, split.axis, dim=1)
+            pos = pos[:, order]  # global order
             _check_global_positions(pos, split)
             in_order = _documents(pos)  # by global index
             docs = in_order[:, k_index]  # in the gathered order
@@ -207,7 +215,8 @@ def attention(
     if padding_mask is not None:
         keep = padding_mask.to(torch.bool)
         if split is not None and cp > 1:
-            keep = all_gather(keep.to(torch.uint8), split.mesh, split.axis, dim=1).bool()
+            with labelled(COMM_LABEL):
+                keep = all_gather(keep.to(torch.uint8), split.mesh, split.axis, dim=1).bool()
         mask = mask & keep[:, None, :]
         # A padded query that sees no key would be NaN: let it see itself (its output is
         # padding, and no real token sees it).

@@ -29,6 +29,9 @@ class CommRecord:
             (all-gather) or input (reduce-scatter) buffer, twice that for all-reduce; for
             all-to-all, what it sends to the other ranks.
         dtype: element type of the buffer.
+        label: what issued it, where the issuer names itself (:func:`labelled`):
+            ``"cp"`` for context-parallel attention's keys and values and their gradients;
+            ``None`` otherwise.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -45,6 +48,7 @@ class CommRecord:
     group_size: int
     bytes: int
     dtype: torch.dtype
+    label: str | None = None
 
 
 @dataclass
@@ -100,6 +104,36 @@ class CommCounter:
 _COUNTERS: contextvars.ContextVar[tuple[CommCounter, ...]] = contextvars.ContextVar(
     "functional_fsdp_comm_counters", default=()
 )
+_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "functional_fsdp_comm_label", default=None
+)
+
+
+@contextlib.contextmanager
+def labelled(label: str | None) -> Iterator[None]:
+    """Collectives issued inside the block are recorded with ``label`` (see
+    :attr:`CommRecord.label`); the differentiable collectives keep their forward's label
+    for the collectives of their backward.
+
+    Example:
+        >>> import torch, functional_fsdp as ff
+        >>> with ff.simulated_mesh({"dp": 2}) as mesh, ff.count_comms() as comms:
+        ...     with labelled("cp"):
+        ...         _ = ff.all_reduce(torch.ones(2), mesh, "dp")
+        ...     _ = ff.all_reduce(torch.ones(2), mesh, "dp")
+        >>> [r.label for r in comms.records]
+        ['cp', None]
+    """
+    token = _LABEL.set(label)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+def current_label() -> str | None:
+    """The label of the enclosing :func:`labelled` block, if any."""
+    return _LABEL.get()
 
 
 @contextlib.contextmanager
@@ -163,6 +197,6 @@ def record(
             sent = buffer_bytes
         else:
             sent = (2 if kind == "all_reduce" else 1) * buffer_bytes * (n - 1) // n
-        rec = CommRecord(kind, axis, n, sent, dtype)
+        rec = CommRecord(kind, axis, n, sent, dtype, _LABEL.get())
         for c in counters:
             c.records.append(rec)

@@ -42,7 +42,7 @@ from .accounting import CommRecord as CommRecord
 from .accounting import Counters as Counters
 from .accounting import active_counters as active_counters
 from .accounting import count_comms as count_comms
-from .accounting import record
+from .accounting import current_label, labelled, record
 from .axes import axis_sizes, check_axes, local_coordinate
 from .checks import check_collective
 from .checks import check_collectives as check_collectives
@@ -486,11 +486,13 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _, ctx.mesh, ctx.axis, ctx.dim = inputs
+        ctx.label = current_label()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         n = axis_sizes(ctx.mesh)[ctx.axis]
-        out = raw_reduce_scatter(_split_leading(grad, n, ctx.dim), ctx.mesh, ctx.axis)
+        with labelled(ctx.label):
+            out = raw_reduce_scatter(_split_leading(grad, n, ctx.dim), ctx.mesh, ctx.axis)
         return wait(out), None, None, None
 
 
@@ -503,11 +505,14 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _, ctx.mesh, ctx.axis, ctx.dim, ctx.op = inputs
+        ctx.label = current_label()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         n = axis_sizes(ctx.mesh)[ctx.axis]
-        out = _move_leading(wait(raw_all_gather(grad, ctx.mesh, ctx.axis)), ctx.dim)
+        with labelled(ctx.label):
+            gathered = raw_all_gather(grad, ctx.mesh, ctx.axis)
+        out = _move_leading(wait(gathered), ctx.dim)
         return (out / n if ctx.op == "mean" else out), None, None, None, None
 
 
@@ -537,10 +542,13 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         _, ctx.mesh, ctx.axes, ctx.op = inputs
+        ctx.label = current_label()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return wait(raw_all_reduce(grad, ctx.mesh, ctx.axes, ctx.op)), None, None, None
+        with labelled(ctx.label):
+            out = raw_all_reduce(grad, ctx.mesh, ctx.axes, ctx.op)
+        return wait(out), None, None, None
 
 
 def _axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ run once: later ones replay the first one's figures, so a 80-block model costs o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as torch_pytree
 from torch import nn
 
+from ..cp.attention import splitting
+from ..distributed.simulate import simulated_mesh
 from ..tp.styles import (
     ColwiseParallel,
     PrepareInput,
@@ -198,8 +201,15 @@ def trace_forward(
     styles: Mapping[str, Style],
     tp_size: int,
     input_dtype: torch.dtype | None,
+    split: tuple[Mapping[str, int], str] | None = None,
 ) -> Trace:
-    """Run ``module`` on ``meta`` with ``params`` (``{alias: meta tensor}``); see the module doc."""
+    """Run ``module`` on ``meta`` with ``params`` (``{alias: meta tensor}``); see the module doc.
+
+    ``split``: ``(mesh sizes, axis)`` where an axis splits the sequence (context
+    parallelism). The forward then runs as a rank of that axis runs it, inside the split on
+    a shapes-only simulated mesh of those sizes: its attention gathers the keys and values
+    of the whole sequence (``meta`` tensors, nothing sent) and keeps them for backward, as
+    :func:`functional_fsdp.cp.attention` does in the step."""
     named = tuple(module.named_modules(remove_duplicate=False))
     copies = copy_tree(module)
     for name, t in params.items():
@@ -302,7 +312,12 @@ def trace_forward(
             ),
             (args, kwargs),
         )
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionMode():
+    with contextlib.ExitStack() as scope:
+        if split is not None:
+            mesh = scope.enter_context(simulated_mesh(dict(split[0]), shapes_only=True))
+            scope.enter_context(splitting(mesh, split[1]))
+        scope.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        scope.enter_context(_FusedAttentionMode())
         out = copies[""](*args, **kwargs)
         if loss_fn is not None:
             stack.append("<loss>")

@@ -182,7 +182,10 @@ def plot_comms(
         measured: ``{report name: what a step measured}``: a
             :class:`~functional_fsdp.CommCounter` from ``ff.count_comms()``, or its
             ``by_kind_and_axis()`` (``{(kind, axis): (count, bytes)}``); each gets a hatched
-            bar beside the planned one.
+            bar beside the planned one. Context-parallel attention's collectives (source
+            ``"cp"``) are a layer of their own, ``"<kind> over <axis> (attention)"``; a
+            measured counter splits them off by their records' label, a
+            ``by_kind_and_axis()`` cannot.
         ax: the matplotlib ``Axes`` to draw on (default: a new figure).
         title: the axes title.
 
@@ -205,7 +208,7 @@ def plot_comms(
     items = _reports(reports, "plot_comms")
     labels = [label for label, _ in items]
     _check_measured(measured, labels, "plot_comms")
-    planned = [r.by_kind_and_axis() for _, r in items]
+    planned = [_by_layer(r) for _, r in items]
     done = [_by_kind_and_axis((measured or {}).get(label)) for label in labels]
     keys = sorted({k for figures in planned + done for k in figures})
     largest = max([sum(b for _, b in f.values()) for f in planned + done] + [1])
@@ -220,7 +223,7 @@ def plot_comms(
         width,
         [
             (
-                f"{key[0]} over {key[1]}",
+                _layer_label(key),
                 cmap(i % 10),
                 [f.get(key, (0, 0))[1] / size for f in planned],
                 [f.get(key, (0, 0))[1] / size for f in done] if measured else None,
@@ -259,9 +262,36 @@ def plot_comms(
     return ax
 
 
-def _by_kind_and_axis(figures: Any) -> dict[tuple[str, str], tuple[int, int]]:
+Layer = tuple[str, str, bool]  # (kind, axis, issued by context-parallel attention)
+
+
+def _layer_label(key: Layer) -> str:
+    return f"{key[0]} over {key[1]}" + (" (attention)" if key[2] else "")
+
+
+def _by_layer(report: PlanReport) -> dict[Layer, tuple[int, int]]:
+    """``{(kind, axis, attention): (count, bytes)}`` of a report's collectives."""
+    out: dict[Layer, tuple[int, int]] = {}
+    for c in report.comms:
+        key = (c.kind, c.axis, c.source == "cp")
+        n, b = out.get(key, (0, 0))
+        out[key] = (n + c.count, b + c.bytes)
+    return out
+
+
+def _by_kind_and_axis(figures: Any) -> dict[Layer, tuple[int, int]]:
     if figures is None:
         return {}
+    records = getattr(figures, "records", None)
+    if records is not None:  # a CommCounter: its records say which the attention issued
+        from ..cp.attention import COMM_LABEL
+
+        out: dict[Layer, tuple[int, int]] = {}
+        for r in records:
+            key = (r.kind, r.axis, r.label == COMM_LABEL)
+            n, b = out.get(key, (0, 0))
+            out[key] = (n + 1, b + r.bytes)
+        return out
     if hasattr(figures, "by_kind_and_axis"):
         figures = figures.by_kind_and_axis()
     if not isinstance(figures, Mapping):
@@ -269,7 +299,7 @@ def _by_kind_and_axis(figures: Any) -> dict[tuple[str, str], tuple[int, int]]:
             f"ff.plot_comms(measured=...) takes a CommCounter (from ff.count_comms()) or its "
             f"by_kind_and_axis() per report, got {type(figures).__name__}."
         )
-    return {tuple(k): (int(v[0]), int(v[1])) for k, v in figures.items()}
+    return {(str(k[0]), str(k[1]), False): (int(v[0]), int(v[1])) for k, v in figures.items()}
 
 
 def _part_colors() -> dict[str, Any]:

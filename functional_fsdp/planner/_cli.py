@@ -3,11 +3,14 @@
     python -m functional_fsdp.planner llama3-70b --mesh dp=1024 --param-dtype bf16 --checkpoint
     ff-plan path/to/config.json --mesh dp=128,tp=8 --gib 80
     ff-plan llama3-8b --mesh replicate=2,shard=8 --strategies zero3,hsdp --json
+    ff-plan llama3-8b --mesh dp=16,cp=4 --seq 131072 --checkpoint
 
 The model is a ``transformers`` config (a ``config.json`` file, or a directory holding one)
 or a built-in shape (``--list``); it is built on the ``meta`` device, so nothing is
 allocated. The mesh gives the device count, and its ``tp`` or ``shard`` axis the
-tensor-parallel or HSDP group size; every figure comes from :func:`functional_fsdp.compare_strategies`
+tensor-parallel or HSDP group size; a ``cp`` axis splits each sequence over that many
+devices (context parallelism: the model is built with ``ff.cp.register_attention()``, and
+every strategy's mesh gets the axis); every figure comes from :func:`functional_fsdp.compare_strategies`
 (so from :func:`functional_fsdp.plan`) with the same arguments, and ``--json`` prints its
 reports' ``to_dict()``.
 """
@@ -113,12 +116,13 @@ def _parse_mesh(text: str) -> dict[str, int]:
         if name in mesh:
             raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name!r} appears twice.")
         mesh[name] = int(size)
-    unknown = [a for a in mesh if a not in ("dp", "tp", "replicate", "shard")]
+    unknown = [a for a in mesh if a not in ("dp", "cp", "tp", "replicate", "shard")]
     if unknown:
         raise argparse.ArgumentTypeError(
             f"--mesh {text!r}: unknown axis {unknown[0]!r}. The axes are dp (data parallel), "
-            f"tp (its size is the tensor-parallel group of fsdp+tp) and replicate/shard (HSDP; "
-            f"the size of shard is the sharding group of hsdp)."
+            f"cp (context parallel: splits each sequence), tp (its size is the "
+            f"tensor-parallel group of fsdp+tp) and replicate/shard (HSDP; the size of shard "
+            f"is the sharding group of hsdp)."
         )
     if "dp" in mesh and ("replicate" in mesh or "shard" in mesh):
         raise argparse.ArgumentTypeError(
@@ -160,8 +164,9 @@ def parser() -> argparse.ArgumentParser:
         "--mesh",
         type=_parse_mesh,
         default=None,
-        help="the devices as axes, e.g. dp=1024, dp=128,tp=8 or replicate=128,shard=8 "
-        "(default dp=8); tp sets the fsdp+tp group size, shard the hsdp group size",
+        help="the devices as axes, e.g. dp=1024, dp=128,tp=8, dp=256,cp=4 or "
+        "replicate=128,shard=8 (default dp=8); tp sets the fsdp+tp group size, shard the hsdp "
+        "group size, cp splits each sequence over that many devices in every strategy",
     )
     p.add_argument(
         "--strategies",
@@ -174,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
         "--batch",
         type=int,
         default=None,
-        help="global batch in sequences (default: one per device)",
+        help="global batch in sequences (default: one per device; with cp, one per cp group)",
     )
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--no-activations", action="store_true", help="leave activations out (no batch)")
@@ -237,12 +242,18 @@ def load_config(model: str) -> tuple[Any, str]:
     return transformers.AutoConfig.for_model(model_type, **data), str(path)
 
 
-def build_model(config: Any) -> torch.nn.Module:
-    """The causal LM of ``config`` on ``meta``: shapes only."""
+def build_model(config: Any, cp: bool = False) -> torch.nn.Module:
+    """The causal LM of ``config`` on ``meta``: shapes only; with ``cp``, its attention is
+    :func:`functional_fsdp.cp.attention` (context parallelism)."""
     import transformers
 
+    kwargs: dict[str, Any] = {}
+    if cp:
+        from ..cp import register_attention
+
+        kwargs["attn_implementation"] = register_attention()
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def _tp_plan(model: torch.nn.Module, config: Any) -> Any:
@@ -261,7 +272,7 @@ def arguments(args: argparse.Namespace, model: torch.nn.Module, config: Any) -> 
 
     mesh = args.mesh or {"dp": 8}
     world = math.prod(mesh.values())
-    tp, shard = mesh.get("tp"), mesh.get("shard")
+    tp, shard, cp = mesh.get("tp"), mesh.get("shard"), mesh.get("cp", 1)
     tp_plan = _tp_plan(model, config) if tp else None
     strategies = args.strategies
     if strategies is None:
@@ -285,7 +296,7 @@ def arguments(args: argparse.Namespace, model: torch.nn.Module, config: Any) -> 
         reduce = torch.float32
     batch = None
     if not args.no_activations:
-        batch = (args.batch if args.batch is not None else world, args.seq)
+        batch = (args.batch if args.batch is not None else world // cp, args.seq)
     kwargs: dict[str, Any] = dict(
         batch=batch,
         strategies=strategies,
@@ -300,6 +311,8 @@ def arguments(args: argparse.Namespace, model: torch.nn.Module, config: Any) -> 
         kwargs.update(tp_plan=tp_plan, tp=tp)
     if shard:
         kwargs["hsdp_shard"] = shard
+    if cp > 1:
+        kwargs["cp"] = cp
     return {"world_size": world, **kwargs}
 
 
@@ -331,7 +344,8 @@ def memory_table(cmp: Comparison, gib: float | None = None) -> Any:
 
 
 def traffic_table(cmp: Comparison) -> Any:
-    """Bytes each rank sends per step, by strategy, collective kind and mesh axis."""
+    """Bytes each rank sends per step, by strategy, collective kind, mesh axis and what
+    issued it (``by``: fsdp, tp, cp for context-parallel attention, or the step)."""
     from rich import box
     from rich.table import Table
 
@@ -343,22 +357,23 @@ def traffic_table(cmp: Comparison) -> Any:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for col in ("strategy", "mesh", "collective", "axis", "count", "bytes"):
+    for col in ("strategy", "mesh", "collective", "axis", "by", "count", "bytes"):
         table.add_column(
             col, no_wrap=True, justify="right" if col in ("count", "bytes") else "left"
         )
     for r in cmp.reports:
         mesh = ",".join(f"{a}={n}" for a, n in r.mesh.items())
-        for i, ((kind, axis), (count, nbytes)) in enumerate(sorted(r.by_kind_and_axis().items())):
+        for i, c in enumerate(r.comms):  # one per (kind, axis, source), sorted
             table.add_row(
                 r.name if i == 0 else "",
                 mesh if i == 0 else "",
-                kind.replace("_", "-"),
-                axis,
-                str(count),
-                short(nbytes),
+                c.kind.replace("_", "-"),
+                c.axis,
+                c.source,
+                str(c.count),
+                short(c.bytes),
             )
-        table.add_row("", "", "total", "", "", short(r.comm_bytes()), end_section=True)
+        table.add_row("", "", "total", "", "", "", short(r.comm_bytes()), end_section=True)
     return table
 
 
@@ -373,7 +388,7 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
         parser().error("name a model: a config.json, a directory, or a built-in shape (--list)")
     start, start_cpu = time.perf_counter(), time.process_time()
     config, name = load_config(args.model)
-    model = build_model(config)
+    model = build_model(config, cp=(args.mesh or {}).get("cp", 1) > 1)
     kwargs = arguments(args, model, config)
     built, built_cpu = time.perf_counter(), time.process_time()
     world = kwargs.pop("world_size")
@@ -395,7 +410,7 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
         return 0
     from rich.console import Console
 
-    from ._render import UNIT_NOTE
+    from ._render import SOURCE_NOTE, UNIT_NOTE
 
     console = Console(file=out, highlight=False) if file is not None else Console(highlight=False)
     size = "" if args.model in SHAPES else f", {params / 1e9:.3g}B parameters"
@@ -403,6 +418,8 @@ def run(argv: Sequence[str] | None = None, file: Any = None) -> int:
     console.print(memory_table(cmp, args.gib))
     console.print(traffic_table(cmp))
     console.print(UNIT_NOTE)
+    if any(c.source == "cp" for r in cmp.reports for c in r.comms):
+        console.print(SOURCE_NOTE)
     console.print(
         f"model built in {built - start:.2f} s, planned in {planned - built:.2f} s "
         f"(CPU: {built_cpu - start_cpu:.2f} s and {planned_cpu - built_cpu:.2f} s)"

@@ -124,6 +124,7 @@ def compare_strategies(
     tp_plan: Mapping[str, Style] | None = None,
     tp: int = 8,
     hsdp_shard: int = 8,
+    cp: int = 1,
     units: UnitsArg = None,
     mixed_precision: MixedPrecision | None = None,
     checkpoint: bool | Callable[[str], bool] = False,
@@ -146,6 +147,12 @@ def compare_strategies(
     * ``"hsdp"``: ``{"replicate": N / hsdp_shard, "shard": hsdp_shard}``.
     * ``"fsdp+tp"``: ``{"dp": N / tp, "tp": tp}`` with ``tp_plan`` (skipped without one).
 
+    With ``cp > 1`` every mesh gets a ``"cp"`` axis of that size after its data axes (e.g.
+    ``{"dp": N / cp, "cp": cp}``; ZeRO's optimizer state ``P(("dp", "cp"))``), which splits
+    each sequence (context parallelism, :mod:`functional_fsdp.cp`): the model's attention
+    must be :func:`functional_fsdp.cp.attention` (a transformers model built with
+    ``attn_implementation=ff.cp.register_attention()``).
+
     Args:
         model: the module (on ``meta`` for big ones).
         world_size: devices.
@@ -154,6 +161,7 @@ def compare_strategies(
         tp_plan: the tensor-parallel plan for ``"fsdp+tp"``.
         tp: tensor-parallel size for ``"fsdp+tp"``.
         hsdp_shard: size of the sharding axis for ``"hsdp"`` (e.g. GPUs per node).
+        cp: size of the context-parallel axis (``1``: none).
         units: the units, shared by all strategies.
         mixed_precision: the policy's mixed precision, shared by all strategies.
         checkpoint: the policy's activation checkpointing, shared by all strategies.
@@ -166,7 +174,8 @@ def compare_strategies(
         loss_fn: as for :func:`plan`.
 
     Raises:
-        ValueError: an unknown strategy, or a size that does not divide ``world_size``.
+        ValueError: an unknown strategy, or a size that does not divide ``world_size``
+            (``hsdp_shard`` and ``tp`` must divide ``world_size / cp``).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -193,28 +202,32 @@ def compare_strategies(
         opt = wrap_masters(opt, param_dtype=param_dtype or torch.float32)
     common: dict[str, Any] = dict(batch=batch, units=units, optimizer=opt, loss_fn=loss_fn)
     memo: dict[Any, Any] = {}  # unit plans, optimizer state and traces the strategies share
+    _check_divides("cp", cp, world_size)
+    n = world_size // cp  # ranks per position of the sequence
+    per_cp = "world_size" if cp == 1 else f"world_size/cp={world_size}/{cp}"
+    seq = {"cp": cp} if cp > 1 else {}
+    data = {"dp": n, **seq}
+    zero_specs = P(("dp", "cp")) if cp > 1 else P("dp")
     reports = []
     for s in strategies:
         if s == "ddp":
-            kw: dict[str, Any] = dict(mesh={"dp": world_size}, specs=P())
+            kw: dict[str, Any] = dict(mesh=data, specs=P())
         elif s == "zero1":
-            kw = dict(
-                mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"), accumulate_mode="local"
-            )
+            kw = dict(mesh=data, specs=P(), opt_specs=zero_specs, accumulate_mode="local")
         elif s == "zero2":
-            kw = dict(mesh={"dp": world_size}, specs=P(), opt_specs=P("dp"))
+            kw = dict(mesh=data, specs=P(), opt_specs=zero_specs)
         elif s == "shard_grad_op":
-            kw = dict(mesh={"dp": world_size}, policy=Policy(reshard_after_forward=False, **base))
+            kw = dict(mesh=data, policy=Policy(reshard_after_forward=False, **base))
         elif s == "zero3":
-            kw = dict(mesh={"dp": world_size})
+            kw = dict(mesh=data)
         elif s == "hsdp":
-            _check_divides("hsdp_shard", hsdp_shard, world_size)
-            kw = dict(mesh={"replicate": world_size // hsdp_shard, "shard": hsdp_shard})
+            _check_divides("hsdp_shard", hsdp_shard, n, per_cp)
+            kw = dict(mesh={"replicate": n // hsdp_shard, "shard": hsdp_shard, **seq})
         else:
             if tp_plan is None:
                 continue
-            _check_divides("tp", tp, world_size)
-            kw = dict(mesh={"dp": world_size // tp, "tp": tp}, tp_plan=tp_plan)
+            _check_divides("tp", tp, n, per_cp)
+            kw = dict(mesh={"dp": n // tp, **seq, "tp": tp}, tp_plan=tp_plan)
         kw.setdefault("policy", Policy(**base))
         mesh = kw.pop("mesh")
         reports.append(plan(model, mesh, name=s, _memo=memo, **common, **kw))
@@ -227,9 +240,9 @@ def compare_strategies(
     return Comparison(tuple(reports), paper)
 
 
-def _check_divides(name: str, size: int, world_size: int) -> None:
-    if size < 1 or world_size % size:
+def _check_divides(name: str, size: int, total: int, what: str = "world_size") -> None:
+    if size < 1 or total % size:
         raise ValueError(
-            f"compare_strategies: {name}={size} does not divide world_size={world_size}; pick "
-            f"a {name} that divides it."
+            f"compare_strategies: {name}={size} does not divide {what}={total}; pick a "
+            f"{name} that divides it."
         )

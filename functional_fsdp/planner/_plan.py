@@ -16,7 +16,10 @@ Figures (per rank; every rank holds a block of the same padded shape):
   ``1 + prefetch`` consecutive units, without it every unit).
 * **activations**: storages saved for backward by one forward on ``meta`` on this rank's
   share of the batch (see :mod:`._activations`), per unit, with the policy's checkpointing,
-  without any and with every unit checkpointed.
+  without any and with every unit checkpointed. Where an axis splits the sequence (context
+  parallelism), the share is a rank's chunks of each sequence and the forward runs inside
+  that split, so the keys and values each attention layer gathers (and keeps for backward)
+  are counted.
 * **communication**: every collective one ``train_step`` issues, by kind and mesh axis, in
   the bytes :class:`functional_fsdp.CommRecord` counts (ring bytes sent per rank). These are
   not worked out by the planner: it runs the real step (``ff.fsdp``, ``ff.train_step`` with the
@@ -38,7 +41,8 @@ import torch
 from torch import nn
 
 from .._tree import NAMESPACE
-from ..distributed.axes import data_axes_of
+from ..cp.attention import COMM_LABEL
+from ..distributed.axes import data_axes_of, sequence_axis_of
 from ..formats import replicated_bytes, storage_view
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
@@ -64,7 +68,10 @@ class CommFigure:
         count: how many.
         bytes: ring bytes one rank sends (as :class:`functional_fsdp.CommRecord` counts).
         source: ``"fsdp"`` (parameter gathers and gradient reductions), ``"tp"``
-            (tensor-parallel activations) or ``"step"`` (loss, global norm, ZeRO-1 gather).
+            (tensor-parallel activations), ``"cp"`` (context-parallel attention: the keys,
+            values, positions and padding it gathers over the sequence axis, and the
+            reduce-scatters of their gradients) or ``"step"`` (loss, global norm, ZeRO-1
+            gather).
 
     Example:
         >>> CommFigure("all_gather", "dp", 3, 4096, "fsdp")
@@ -114,6 +121,8 @@ class PlanReport:
         name: a label (the strategy's name for :func:`compare_strategies`).
         mesh: ``{axis: size}``.
         data_axes: the axes that split the batch.
+        sequence_axis: the data axis that splits each sequence instead of the batch
+            (context parallelism), or ``None``.
         params: parameter elements of the model (tied ones once).
         trainable: trainable parameter elements.
         param_bytes: parameter shards at rest, padding included, and what a quantized base's
@@ -153,6 +162,7 @@ class PlanReport:
     name: str
     mesh: dict[str, int]
     data_axes: tuple[str, ...]
+    sequence_axis: str | None
     params: int
     trainable: int
     param_bytes: int
@@ -228,6 +238,7 @@ class PlanReport:
             "name": self.name,
             "mesh": dict(self.mesh),
             "data_axes": list(self.data_axes),
+            "sequence_axis": self.sequence_axis,
             "params": self.params,
             "trainable": self.trainable,
             "param_bytes": self.param_bytes,
@@ -361,8 +372,17 @@ def _grad_dtypes(
     return out
 
 
-def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: tuple[str, ...]):
-    """``(args, kwargs)`` on ``meta``: this rank's share of the global batch."""
+def _local_batch(
+    batch: BatchArg,
+    n: int,
+    sizes: Mapping[str, int],
+    data_axes: tuple[str, ...],
+    seq_axis: str | None = None,
+):
+    """``(args, kwargs)`` on ``meta``: this rank's share of the global batch, as
+    :func:`functional_fsdp.local_batch` takes it: dim 0 split ``n`` ways (the data ranks
+    other than ``seq_axis``'s, times the micro-batches), and dim 1 of every tensor of 2 or
+    more dims over ``seq_axis`` (context parallelism: two chunks of the sequence per rank)."""
     if batch is None:
         return None
     if isinstance(batch, tuple) and all(isinstance(s, int) for s in batch):
@@ -380,28 +400,48 @@ def _local_batch(batch: BatchArg, n: int, sizes: Mapping[str, int], data_axes: t
             f"{type(batch).__name__}."
         )
 
-    def local(x: Any) -> Any:
+    cp = sizes[seq_axis] if seq_axis is not None else 1
+    splits = f"; {seq_axis!r} splits the sequence" if cp > 1 else ""
+
+    def local(path: tuple[Any, ...], x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         if x.ndim == 0 or x.shape[0] % n:
             raise ValueError(
                 f"ff.plan: a global batch of shape {tuple(x.shape)} does not split over the "
-                f"{n} data-parallel ranks of {format_mesh(sizes)} (data axes {data_axes}); "
-                f"use a batch size that is a multiple of {n}."
+                f"{n} data-parallel ranks of {format_mesh(sizes)} (data axes {data_axes}"
+                f"{splits}); use a batch size that is a multiple of {n}."
             )
-        shape = (x.shape[0] // n, *x.shape[1:])
+        shape = [x.shape[0] // n, *x.shape[1:]]
+        if cp > 1 and x.ndim >= 2:
+            if x.shape[1] % (2 * cp):
+                multiple = 2 * cp
+                key = f"batch[{path[-1]!r}]" if path[0] == 1 else f"batch[{path[-1]}]"
+                raise ValueError(
+                    f"ff.plan: {key} of shape {tuple(x.shape)} has a sequence of "
+                    f"{x.shape[1]} tokens (dim 1), which does not split into 2·cp = "
+                    f"{multiple} equal chunks over the {seq_axis!r} axis of "
+                    f"{format_mesh(sizes)}; plan with sequences of "
+                    f"{-(-x.shape[1] // multiple) * multiple} tokens (a multiple of "
+                    f"{multiple}), as the step takes them once padded with "
+                    f"ff.cp.pad_sequence(batch, {multiple})."
+                )
+            shape[1] //= cp
         return torch.empty(shape, dtype=x.dtype, device="meta")
 
-    return optree.tree_map(local, (args, kwargs), none_is_leaf=True)
+    return optree.tree_map_with_path(local, (args, kwargs), none_is_leaf=True)
 
 
-def _stand_in_batch(model: nn.Module, rows: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _stand_in_batch(
+    model: nn.Module, rows: int, tokens: int = 1
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """This rank's share of a batch of ``rows`` rows for a step run without a batch: the
-    FSDP and step collectives do not depend on the batch. Token ids of one token for a model
-    that starts with an embedding, features for one that starts with a linear layer."""
+    FSDP and step collectives do not depend on the batch. Token ids of ``tokens`` tokens (2
+    where a sequence split needs a chunk on each side) for a model that starts with an
+    embedding, features for one that starts with a linear layer."""
     for m in model.modules():
         if isinstance(m, nn.Embedding):
-            return (torch.zeros(rows, 1, dtype=torch.long, device="meta"),), {}
+            return (torch.zeros(rows, tokens, dtype=torch.long, device="meta"),), {}
         if isinstance(m, nn.Linear):
             x = torch.zeros(rows, m.in_features, dtype=m.weight.dtype, device="meta")
             return (x,), {}
@@ -428,6 +468,7 @@ def plan(
     units: UnitsArg = None,
     policy: Policy | None = None,
     data_axes: Sequence[str] | None = None,
+    sequence_axis: str | bool | None = True,
     trainable: Sequence[str] | Callable[[str], bool] | None = None,
     tp_plan: Mapping[str, Style] | None = None,
     tp_axis: str = "tp",
@@ -471,6 +512,12 @@ def plan(
         units: as for :func:`functional_fsdp.fsdp`.
         policy: as for :func:`functional_fsdp.fsdp`.
         data_axes: as for :func:`functional_fsdp.fsdp`.
+        sequence_axis: as for :func:`functional_fsdp.fsdp`: the data axis that splits each
+            sequence (dim 1 of every batch tensor of 2 or more dims), by default ``"cp"``
+            where the mesh has it (context parallelism, :mod:`functional_fsdp.cp`). The
+            activations are then those of a rank's tokens, with the keys and values its
+            attention gathers; the gathers and their gradients' reduce-scatters are
+            counted as they are issued, under the source ``"cp"``.
         trainable: as for :func:`functional_fsdp.fsdp`.
         tp_plan: a tensor-parallel plan (``{pattern: Style}``) over ``tp_axis``; the specs are
             then those of :func:`functional_fsdp.tensor_parallel` unless ``specs`` is given.
@@ -527,6 +574,8 @@ def plan(
             f"{tp_axis!r}; add one, e.g. {{'dp': 4, {tp_axis!r}: 2}}, or pass tp_axis=."
         )
     data_axes = data_axes_of(sizes, data_axes, "ff.plan", model_axes=(tp_axis,))
+    seq_axis = sequence_axis_of(sizes, data_axes, sequence_axis, "ff.plan")
+    split = (dict(sizes), seq_axis) if seq_axis is not None and sizes[seq_axis] > 1 else None
     if accumulate < 1:
         raise ValueError(f"ff.plan: accumulate must be >= 1, got {accumulate}")
     policy = policy or Policy()
@@ -624,8 +673,8 @@ def plan(
 
     # ---- activations
     trace = None
-    n_data = math.prod(sizes[a] for a in data_axes)
-    local = _local_batch(batch, n_data * accumulate, sizes, data_axes)
+    n_data = math.prod(sizes[a] for a in data_axes if a != seq_axis)  # rows split this way
+    local = _local_batch(batch, n_data * accumulate, sizes, data_axes, seq_axis)
     loss = _activations.lm_loss if loss_fn == "lm" else loss_fn
     if local is not None:
         params = _compute_params(the_plan, sizes, data_axes, mp.param_dtype, train)
@@ -633,6 +682,7 @@ def plan(
         key = None
         if not styles:  # a TP trace depends on the styles too: not shared
             key = ("trace", the_plan.order, _shapes(params), _shapes(local), id(loss), cast)
+            key += (None if split is None else (tuple(split[0].items()), split[1]),)
         trace = _remember(
             memo,
             key,
@@ -646,6 +696,7 @@ def plan(
                 styles,
                 sizes.get(tp_axis, 1),
                 cast,
+                split,
             ),
         )
     ckpt = policy.activation_checkpointing
@@ -692,14 +743,17 @@ def plan(
 
     # ---- communication: one real train_step, counted on a shapes-only mesh (see ._run)
     if batch is not None:
-        run_batch = _local_batch(batch, n_data, sizes, data_axes)
+        run_batch = _local_batch(batch, n_data, sizes, data_axes, seq_axis)
     else:
-        run_batch = _stand_in_batch(model, accumulate)
+        run_batch = _stand_in_batch(model, accumulate, 1 if split is None else 2)
 
-    def source(kind: str, axis: str, nbytes: int) -> str:
-        """Who issued a collective: the step (a scalar all-reduce: the loss, the norm; ZeRO's
-        gradient reduce-scatter and parameter all-gather), tensor parallelism (another
-        axis) or FSDP."""
+    def source(kind: str, axis: str, nbytes: int, label: str | None) -> str:
+        """Who issued a collective: context-parallel attention (its keys and values, and
+        their gradients: labelled so by the attention), the step (a scalar all-reduce: the
+        loss, the norm; ZeRO's gradient reduce-scatter and parameter all-gather), tensor
+        parallelism (another axis) or FSDP."""
+        if label == COMM_LABEL:
+            return "cp"
         # The step's all-reduces carry a few scalars: the loss (with a count for a (sum,
         # count) loss, in float64), the norm with its count of non-finite tensors; a ring
         # sends under twice the payload. Gradient buckets are far larger.
@@ -714,6 +768,7 @@ def plan(
         return "fsdp"
 
     engine = dict(specs=user_specs, units=units, policy=policy, data_axes=data_axes)
+    engine["sequence_axis"] = seq_axis
     engine["trainable"] = trainable
     stepping = dict(optimizer=opt, opt_specs=opt_specs, accumulate=accumulate)
     stepping["accumulate_mode"] = accumulate_mode
@@ -740,14 +795,15 @@ def plan(
             counts = count(model)
         else:
             counts = _run.extrapolate(runs, n_blocks)
-    if batch is None:  # tensor-parallel traffic scales with the batch: none without one
-        counts = {k: v for k, v in counts.items() if k[2] != "tp"}
+    if batch is None:  # tensor- and context-parallel traffic scale with the batch
+        counts = {k: v for k, v in counts.items() if k[2] not in ("tp", "cp")}
     comms = tuple(CommFigure(k, a, n, b, src) for (k, a, src), (n, b) in sorted(counts.items()))
 
     return PlanReport(
         name=name,
         mesh=dict(sizes),
         data_axes=data_axes,
+        sequence_axis=seq_axis,
         params=total_elems,
         trainable=sum(_numel(layouts[n].global_shape) for n in layouts if n in train),
         param_bytes=param_bytes,

@@ -25,6 +25,7 @@ def human(n: int | float | None) -> str:
 
 _UNITS = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 UNIT_NOTE = "bytes: K, M, G, T are KiB, MiB, GiB, TiB"
+SOURCE_NOTE = "source cp: context-parallel attention's keys and values (and their gradients)"
 
 
 def short(n: int | float) -> str:
@@ -60,6 +61,8 @@ def report_table(report: PlanReport) -> Any:
 
     mesh = " x ".join(f"{a}={s}" for a, s in report.mesh.items())
     title = f"{report.name + ': ' if report.name else ''}per device on {mesh}"
+    if report.sequence_axis is not None and report.mesh.get(report.sequence_axis, 1) > 1:
+        title += f" ({report.sequence_axis} splits each sequence)"
     mem = Table(title=title, **compact)
     mem.add_column("memory")
     mem.add_column("bytes", justify="right", no_wrap=True)
@@ -77,7 +80,12 @@ def report_table(report: PlanReport) -> Any:
     ]
     for label, value in rows:
         mem.add_row(label, human(value))
-    comm = Table(title="communication per step (bytes sent per rank)", **compact)
+    comm = Table(
+        title="communication per step (bytes sent per rank)",
+        caption=SOURCE_NOTE if any(c.source == "cp" for c in report.comms) else None,
+        caption_justify="left",
+        **compact,
+    )
     for col in ("kind", "axis", "source", "count", "bytes"):
         comm.add_column(col, justify="right" if col in ("count", "bytes") else "left", no_wrap=True)
     for c in report.comms:

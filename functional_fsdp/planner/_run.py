@@ -135,10 +135,10 @@ def count_step(
     tp: tuple[Any, str],
     step_kwargs: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
-    source: Callable[[str, str, int], str],
+    source: Callable[[str, str, int, str | None], str],
 ) -> Counts:
     """One real ``train_step`` of ``model`` on a shapes-only mesh of ``sizes``: its
-    collectives as ``{(kind, axis, source(kind, axis, bytes)): (count, bytes)}``.
+    collectives as ``{(kind, axis, source(kind, axis, bytes, label)): (count, bytes)}``.
 
     ``batch`` is this rank's share, as ``(args, kwargs)`` of the model's call; ``fsdp_kwargs``
     go to :func:`functional_fsdp.fsdp`, ``tp`` is ``(tp_plan or None, tp_axis)`` and
@@ -178,7 +178,8 @@ def count_step(
             step(state, (tuple(map(_meta, args)), {k: _meta(v) for k, v in kw.items()}))
     out: dict[Key, list[int]] = {}
     for r in counter.records:
-        slot = out.setdefault((r.kind, r.axis, source(r.kind, r.axis, r.bytes)), [0, 0])
+        key = (r.kind, r.axis, source(r.kind, r.axis, r.bytes, r.label))
+        slot = out.setdefault(key, [0, 0])
         slot[0] += 1
         slot[1] += r.bytes
     return {k: (v[0], v[1]) for k, v in out.items()}
