@@ -3,7 +3,8 @@
 The same data as ``train_gpt.py`` (``pydoc_data.topics``, bundled with Python). The TP plan
 (:func:`functional_fsdp.gpt_plan`) splits the attention heads and the MLP over "tp", makes
 the token embedding vocab-parallel and the tied head colwise over the vocabulary, and the
-loss (:func:`functional_fsdp.vocab_parallel_cross_entropy`) never gathers the vocabulary.
+loss (:func:`functional_fsdp.causal_lm_loss` with the mesh: vocabulary-parallel cross entropy)
+never gathers the vocabulary.
 FSDP shards every parameter's TP-local block over "dp" on top. Ranks that differ only in
 "tp" train on the same batch.
 
@@ -24,7 +25,6 @@ from tqdm import tqdm
 
 import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan
-from functional_fsdp.tp.ops import vocab_parallel_cross_entropy
 from functional_fsdp.tp.plan import tensor_parallel
 
 
@@ -96,7 +96,8 @@ def main() -> None:
 
     def loss_fn(params, batch):
         logits = sharded_model.apply(params, batch[:, :-1])  # split over the vocabulary
-        return vocab_parallel_cross_entropy(logits, batch[:, 1:], mesh)
+        # (sum, count): the step divides the global sum by the global count
+        return ff.causal_lm_loss(logits, shift_labels=batch[:, 1:], mesh=mesh)
 
     step = ff.train_step(loss_fn, optimizer, model=sharded_model, learning_rate=schedule)
     state = ff.TrainState.create(params, optimizer)
