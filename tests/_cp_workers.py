@@ -48,7 +48,8 @@ def model(arch: str = "llama", impl: str = "sdpa", **overrides: Any) -> torch.nn
 
 def batch(kind: str, rows: int = 4, length: int = 64) -> dict[str, torch.Tensor]:
     """A global batch: ``full`` rows, ``packed`` documents (position_ids restart, labels -100
-    at each document's first token) or right-``padded`` rows (an attention_mask)."""
+    at each document's first token), right-``padded`` or ``left_padded`` rows (an
+    attention_mask)."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (rows, length), generator=g)
     labels = ids.clone()
@@ -61,10 +62,15 @@ def batch(kind: str, rows: int = 4, length: int = 64) -> dict[str, torch.Tensor]
                 pos[r, a:b] = torch.arange(b - a)
                 labels[r, a] = -100
         out["position_ids"] = pos
-    elif kind == "padded":
+    elif kind in ("padded", "left_padded"):
         mask = torch.ones_like(ids)
         for r in range(1, rows):
             mask[r, length - 7 * r :] = 0
+        if kind == "left_padded":
+            mask = mask.flip(1)
+            # No token is predicted from padding: the first real token is not a target
+            # (what a pad query attends to differs between attention implementations).
+            labels[:, 1:][mask[:, 1:].bool() & ~mask[:, :-1].bool()] = -100
         labels[mask == 0] = -100
         out["attention_mask"] = mask
         out["position_ids"] = torch.arange(length).expand(rows, length).clone()
@@ -121,11 +127,18 @@ def step(
     checkpointing: bool = False,
     jit: bool = False,
     zero2: bool = False,
+    hf_checkpointing: bool = False,
 ) -> dict[str, Any]:
     """One SGD(1) step of the token-mean loss on ``mesh``: its loss and gradients (the
     parameters' change), gathered. ``zero2``: the ZeRO paper's (parameters replicated, the
     optimizer state sharded over the last data axis)."""
     policy = ff.Policy(activation_checkpointing=checkpointing)
+    engine = "auto"
+    if hf_checkpointing:  # transformers' own (torch.utils.checkpoint): plain autograd
+        m = copy.deepcopy(m)
+        m.activation_checkpointing_enable()
+        m.train()
+        engine = "autograd"
     vocab_mesh = None
     if "tp" in ff.axis_sizes(mesh):
         tp = ff.tensor_parallel(m, mesh, ff.hf_tp_plan(m))
@@ -140,7 +153,7 @@ def step(
         return ff.causal_lm_loss(logits, shift_labels=b["shift_labels"], mesh=vocab_mesh)
 
     opt = ff.sgd(1.0)
-    train = ff.train_step(loss_fn, opt, model=sharded, accumulate=accumulate)
+    train = ff.train_step(loss_fn, opt, model=sharded, accumulate=accumulate, engine=engine)
     if jit:  # traced into one graph; the eager backend spares inductor's compile time
         train = ff.jit(train, backend="eager")
     params = sharded.shard()

@@ -99,6 +99,9 @@ SIMULATED = [
     ("hsdp_cp2", "llama", "packed", {}),
     ("cp2", "mistral", "packed", {}),
     ("cp2", "gemma", "padded", {}),
+    ("cp2", "llama", "packed", {"hf_checkpointing": True}),
+    ("cp2", "llama", "left_padded", {}),
+    ("dp2_cp2", "qwen2", "left_padded", {}),
 ]
 
 

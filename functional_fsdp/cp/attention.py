@@ -56,6 +56,10 @@ class SequenceSplit:
     mesh: DeviceMesh
     axis: str
     calls: int = 0
+    # The call had no padding mask and added one of ones, so that transformers does not
+    # look for packed documents in a rank's chunks (cp.checks.with_padding_mask): the mask
+    # the attention then receives is that one, with nothing to mask or gather.
+    mask_added: bool = False
 
     @property
     def size(self) -> int:
@@ -68,9 +72,9 @@ _CURRENT: contextvars.ContextVar[SequenceSplit | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def splitting(mesh: DeviceMesh, axis: str) -> Iterator[SequenceSplit]:
+def splitting(mesh: DeviceMesh, axis: str, mask_added: bool = False) -> Iterator[SequenceSplit]:
     """Inside the block, :func:`attention` gathers keys and values over ``axis``."""
-    split = SequenceSplit(mesh, axis)
+    split = SequenceSplit(mesh, axis, mask_added=mask_added)
     token = _CURRENT.set(split)
     try:
         yield split
@@ -260,6 +264,9 @@ def hf_attention(
             f"pass the batch's attention_mask as the tokenizer returns it, or position_ids "
             f"for packed documents."
         )
+    split = current()
+    if split is not None and split.mask_added:
+        attention_mask = None  # the ones the call added: nothing to mask, nothing to gather
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attention(
         query,
@@ -288,6 +295,16 @@ def register_attention() -> str:
         'functional_fsdp_cp'
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, hf_attention)
+    # Without a mask function of its own, transformers would hand the attention no padding
+    # mask at all; this one passes the batch's 2D mask through as it is.
+    AttentionMaskInterface.register(ATTENTION_NAME, _padding_mask)
     return ATTENTION_NAME
+
+
+def _padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """transformers' mask function for :func:`hf_attention`: the 2D padding mask (or
+    ``None``), which :func:`attention` turns into its mask over the split sequence."""
+    return attention_mask

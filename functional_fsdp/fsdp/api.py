@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._partition import mark_frozen
 from ..cp.attention import splitting
-from ..cp.checks import check_split_attention
+from ..cp.checks import check_split_attention, with_padding_mask
 from ..distributed.axes import data_axes_of, same_mesh, sequence_axis_of
 from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import check_made_outside, is_shapes_only
@@ -279,7 +279,10 @@ class FSDP:
             policy = dataclasses.replace(policy, grad_reduce="none")
         if self._complex and policy.grad_reduce != "none":
             self._check_complex(params)
-        with self._sequence_split():
+        added = False
+        if self.sequence_axis is not None:
+            kwargs, added = with_padding_mask(self.module, kwargs)
+        with self._sequence_split(added):
             return runtime.run(
                 layout,
                 self._modules,
@@ -297,7 +300,7 @@ class FSDP:
             )
 
     @contextlib.contextmanager
-    def _sequence_split(self) -> Iterator[None]:
+    def _sequence_split(self, mask_added: bool = False) -> Iterator[None]:
         """Where :attr:`sequence_axis` splits the sequence, attention inside the block
         gathers keys and values over it (:mod:`functional_fsdp.cp`); a model whose attention
         does not is refused."""
@@ -307,7 +310,7 @@ class FSDP:
         cp = self._sizes[self.sequence_axis]
         if cp > 1:
             check_split_attention(self.module, self.sequence_axis, self.mesh)
-        with splitting(self.mesh, self.sequence_axis) as split:
+        with splitting(self.mesh, self.sequence_axis, mask_added) as split:
             yield
         if cp > 1 and split.calls == 0:
             raise ValueError(

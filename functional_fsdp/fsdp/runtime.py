@@ -21,6 +21,7 @@ them (without Python's cycle collector).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import types
 import weakref
@@ -434,13 +435,16 @@ def _checkpoint_with_params(
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _CHECKPOINT_OPTIONS})
     module = owner()
     held = [(m, dict(m._parameters)) for m in module.modules()] if module is not None else []
+    # The forward's context variables (e.g. a context-parallel sequence split), which the
+    # recompute in backward runs in too.
+    context = contextvars.copy_context()
 
     def with_params(*a: Any, **kw: Any) -> Any:
         now = [(m, dict(m._parameters)) for m, _ in held]
         for m, params in held:
             m._parameters.update(params)
         try:
-            return function(*a, **kw)
+            return context.copy().run(function, *a, **kw)
         finally:
             for m, params in now:
                 m._parameters.update(params)
