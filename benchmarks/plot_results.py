@@ -326,6 +326,36 @@ def plot_cp_scaling(data: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def quantized_gather(data: dict[str, Any]) -> str:
+    f = data["runs"][-1]["figures"]
+    rows = [
+        [
+            name,
+            f"{v['final_loss']:.4f} ({v['final_loss_ratio']:.4f})",
+            f"{v['all_gather_bytes']:,} ({v['bytes_ratio']:.3f})",
+            f"{v['step_s']:.3f}",
+        ]
+        for name, v in f.items()
+    ]
+    header = ["all-gather", "loss, last 50 steps (/ exact)", "all-gather bytes (/ exact)"]
+    table = _table([*header, "step s"], rows, ":--|--:|--:|--:")
+    image = _image("quantized_gather", "loss curves with exact and int8 all-gathers")
+    return "\n\n".join([image, _sources(data), table])
+
+
+def plot_quantized_gather(data: dict[str, Any], plt: Any) -> Any:
+    f = data["runs"][-1]["figures"]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for name, v in f.items():
+        ax.plot(
+            [10 * i for i in range(len(v["losses_every_10"]))], v["losses_every_10"], label=name
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=8)
+    return fig
+
+
 PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "step_vs_fsdp2": step_vs_fsdp2,
     "compiled_step": compiled_step,
@@ -335,6 +365,7 @@ PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "qlora_memory": qlora_memory,
     "checkpoint_cost": checkpoint_cost,
     "cp_scaling": cp_scaling,
+    "quantized_gather": quantized_gather,
 }
 PLOTS: dict[str, Callable[[Any], Any]] = {
     "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
@@ -342,6 +373,7 @@ PLOTS: dict[str, Callable[[Any], Any]] = {
     "lifecycle_memory": lambda plt: plot_phases(load("lifecycle_memory"), plt),
     "qlora_memory": lambda plt: plot_phases(load("qlora_memory"), plt, skip=("step seconds",)),
     "cp_scaling": lambda plt: plot_cp_scaling(load("cp_scaling"), plt),
+    "quantized_gather": lambda plt: plot_quantized_gather(load("quantized_gather"), plt),
 }
 
 
