@@ -136,7 +136,19 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy."""
+    """Mean next-token cross entropy of ``logits`` against ``targets`` already shifted by one
+    (``targets = ids[:, 1:]`` for ``logits`` of ``ids[:, :-1]``), every token counted.
+
+    For Hugging Face's convention (labels aligned with ``input_ids``, ``-100`` where a token
+    does not count, a ``(sum, count)`` the step divides over the global batch) use
+    :func:`functional_fsdp.causal_lm_loss`; ``causal_lm_loss(logits, shift_labels=targets)``
+    is this loss as a ``SumCount``.
+
+    Example:
+        >>> import torch
+        >>> float(lm_loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])))  # log 4
+        1.3862943649291992
+    """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
