@@ -49,8 +49,9 @@ def test_traced_step_equals_eager(pools, name):
 
 
 # Each case compiles its own graph (5-20 s on 2 cores with a cold cache, up to 100 s at 4
-# ranks): CI compiles these; FUNCTIONAL_FSDP_SLOW_TESTS=1 compiles every case.
-INDUCTOR = ["zero3", "apply_if_finite", "hsdp"]
+# ranks): CI compiles these two (2 ranks; the trace of every case, hsdp's 4 ranks included,
+# is checked bitwise above); FUNCTIONAL_FSDP_SLOW_TESTS=1 compiles every case.
+INDUCTOR = ["zero3", "apply_if_finite"]
 SLOW = os.environ.get("FUNCTIONAL_FSDP_SLOW_TESTS") == "1"
 ALL = [
     pytest.param(

@@ -34,9 +34,9 @@ class QuantizedGather:
     option.
 
     Attributes:
-        block_size: elements per block, each with one float32 scale (absmax / 127). Smaller
-            blocks follow outliers more closely and send more scales: ``4 / block_size``
-            bytes per element.
+        block_size: elements per block, each with one float32 scale (the block's largest
+            magnitude / 127). Smaller blocks follow outliers more closely and send more
+            scales: ``4 / block_size`` bytes per element.
 
     Example:
         >>> import functional_fsdp as ff
@@ -95,12 +95,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def quantize_blockwise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` flattened, zero-padded to whole blocks: int8 values ``[blocks, block_size]``
-    and one float32 scale per block (absmax / 127; 1 for an all-zero block).
+    and one float32 scale per block (the block's largest magnitude / 127; 1 for an all-zero block).
 
     Example:
         >>> import torch
         >>> q, scale = quantize_blockwise(torch.tensor([0.5, -1.0, 0.25]), 2)
-        >>> q.tolist(), [round(v * 127, 6) for v in scale.tolist()]  # scale = absmax / 127
+        >>> q.tolist(), [round(v * 127, 6) for v in scale.tolist()]  # scale = largest / 127
         ([[64, -127], [127, 0]], [1.0, 0.25])
     """
     flat = x.detach().reshape(-1).to(_compute_dtype(x.dtype))
