@@ -178,9 +178,7 @@ def attention(
     cp = 1 if split is None else split.size
     plain = position_ids is None and padding_mask is None and sliding_window is None
     if cp == 1 and plain:
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        key, value = _repeat_kv(query, key, value)
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
@@ -197,9 +195,10 @@ def attention(
         q_index = sequence_positions(split.mesh, split.axis, local, device)
         k_index = gathered_index(local, cp, device)
         order = torch.argsort(k_index)
-    mask = torch.ones(local, k_index.shape[0], dtype=torch.bool, device=device)
     if is_causal:
         mask = k_index[None, :] <= q_index[:, None]
+    else:
+        mask = torch.ones(local, k_index.shape[0], dtype=torch.bool, device=device)
     if sliding_window is not None:
         mask = mask & (q_index[:, None] - k_index[None, :] < sliding_window)
     mask = mask[None]  # [1 or batch, q, k]
@@ -225,12 +224,21 @@ def attention(
         # A padded query that sees no key would be NaN: let it see itself (its output is
         # padding, and no real token sees it).
         mask = mask | (k_index[None, None, :] == q_index[None, :, None])
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    key, value = _repeat_kv(query, key, value)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask[:, None], dropout_p=dropout_p, scale=scale
     )
+
+
+def _repeat_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values repeated to the query heads (grouped-query attention), as
+    transformers' ``repeat_kv``."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
 
 
 _UNSUPPORTED = ("softcap", "s_aux", "position_bias", "sinks")
