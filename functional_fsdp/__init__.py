@@ -43,6 +43,8 @@ from .distributed.simulate import simulated_mesh as simulated_mesh
 from .fsdp.api import FSDP as FSDP
 from .fsdp.api import SingleUnitWarning as SingleUnitWarning
 from .fsdp.api import fsdp as fsdp
+from .fsdp.float8_gather import Float8Gather as Float8Gather
+from .fsdp.float8_gather import float8_round_trip as float8_round_trip
 from .fsdp.materialize import init_sharded as init_sharded
 from .fsdp.memory import MemoryEvent as MemoryEvent
 from .fsdp.memory import MemoryTracker as MemoryTracker
@@ -188,6 +190,7 @@ __all__ = [
     "EmptyState",
     "ExpertParallel",
     "FactoredState",
+    "Float8Gather",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "InjectHyperparamsState",
@@ -266,6 +269,7 @@ __all__ = [
     "end_simulation",
     "exponential_decay",
     "find_units",
+    "float8_round_trip",
     "fold_in",
     "from_torch_plan",
     "fsdp",

@@ -12,6 +12,8 @@ import functional_fsdp as ff
 from functional_fsdp.models import GPT, GPTConfig, gpt_plan, lm_loss
 
 BLOCK = 32
+# (mesh, activation checkpointing): the simulated meshes each quantized gather is run on.
+CASES = [({"dp": 2}, False), ({"dp": 4}, False), ({"dp": 2, "tp": 2}, False), ({"dp": 2}, True)]
 CFG = GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=36)  # uneven splits
 
 
@@ -24,11 +26,8 @@ def data() -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
 
 
-def _sharded(m: torch.nn.Module, mesh: Any, quantized: bool, checkpointing: bool) -> Any:
-    policy = ff.Policy(
-        gather_quantization=ff.QuantizedGather(block_size=BLOCK) if quantized else None,
-        activation_checkpointing=checkpointing,
-    )
+def _sharded(m: torch.nn.Module, mesh: Any, option: Any, checkpointing: bool) -> Any:
+    policy = ff.Policy(gather_quantization=option, activation_checkpointing=checkpointing)
     if "tp" in ff.axis_sizes(mesh):
         tp = ff.tensor_parallel(m, mesh, gpt_plan(CFG, loss_parallel=False))
         return ff.fsdp(m, mesh, specs=tp.specs, wrappers=tp.wrappers, policy=policy)
@@ -42,11 +41,17 @@ def step(
     *,
     quantized: bool = True,
     checkpointing: bool = False,
+    option: Any = None,
 ) -> dict[str, Any]:
     """One SGD(1) step: the loss, the gradients (the parameters' change), the all-gather
-    bytes this rank sent, the weights, and the emulated weights (each rank's shard through
-    quantize_blockwise / dequantize_blockwise, gathered)."""
-    sharded = _sharded(m, mesh, quantized, checkpointing)
+    and all-reduce bytes this rank sent, the weights, and the emulated weights (each rank's
+    shard through quantize_blockwise / dequantize_blockwise, gathered).
+
+    ``option``: the policy's ``gather_quantization`` (default: ``QuantizedGather(BLOCK)``
+    when ``quantized``, else exact gathers)."""
+    if option is None and quantized:
+        option = ff.QuantizedGather(block_size=BLOCK)
+    sharded = _sharded(m, mesh, option, checkpointing)
     params = sharded.shard()
     opt = ff.sgd(1.0)
     train = ff.train_step(
@@ -65,7 +70,19 @@ def step(
         "emulated": {n: first(v)[0] for n, v in emu.items()},
         "weights": {n: first(v)[0] for n, v in before.items()},
         "all_gather_bytes": comms.bytes("all_gather"),
+        "dp_gather_bytes": comms.bytes("all_gather", axis="dp"),  # the weights' (not tp's)
+        "all_reduce_bytes": comms.bytes("all_reduce"),
     }
+
+
+def on_simulated(
+    axes: dict[str, int], checkpointing: bool, option: Any = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A quantized step (``option``, default int8 blocks) and an exact one, simulated."""
+    m, batch = model(), data()
+    with ff.simulated_mesh(axes) as mesh:
+        got = step(mesh, m, batch, option=option, checkpointing=checkpointing)
+        return got, step(mesh, m, batch, quantized=False)
 
 
 def on_ranks(axes: dict[str, int]) -> dict[str, Any]:
@@ -75,3 +92,25 @@ def on_ranks(axes: dict[str, int]) -> dict[str, Any]:
         "quantized": step(mesh, m, batch),
         "exact": step(mesh, m, batch, quantized=False),
     }
+
+
+def float8_on_ranks(axes: dict[str, int], params: Any = None) -> dict[str, Any]:
+    """A float8 step and an exact one on this rank's mesh."""
+    mesh = ff.make_mesh(axes)
+    m, batch = model(), data()
+    return {
+        "float8": step(mesh, m, batch, option=ff.Float8Gather(params=params)),
+        "exact": step(mesh, m, batch, quantized=False),
+    }
+
+
+def planned_bytes(axes: dict[str, int], option: Any, kind: str, **policy: Any) -> int:
+    """The bytes of ``kind`` collectives ff.plan prices for :func:`step`'s model and batch."""
+    report = ff.plan(
+        model(),
+        axes,
+        policy=ff.Policy(gather_quantization=option, **policy),
+        batch=data(),
+        optimizer=ff.sgd(1.0),
+    )
+    return sum(c.bytes for c in report.comms if c.kind == kind)

@@ -54,21 +54,19 @@ def test_bad_options_are_refused_with_the_fix() -> None:
         ff.Policy(gather_quantization="int8")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    ("axes", "checkpointing"),
-    [({"dp": 2}, False), ({"dp": 4}, False), ({"dp": 2, "tp": 2}, False), ({"dp": 2}, True)],
-)
-def test_simulated_step_equals_one_process_on_dequantized_shards(
-    axes: dict[str, int], checkpointing: bool
-) -> None:
-    m, batch = W.model(), W.data()
-    with ff.simulated_mesh(axes) as mesh:
-        got = W.step(mesh, m, batch, checkpointing=checkpointing)
-        exact = W.step(mesh, m, batch, quantized=False)
-    _equal_to_one_process(got)
+def _exact_untouched_and_quantized_changed(got: dict[str, Any], exact: dict[str, Any]) -> None:
     _equal_to_one_process(exact, "weights")  # the exact path is untouched
     # The quantization is real: other gradients than the exact step's.
     assert any(not torch.allclose(g, exact["grads"][n], atol=1e-9) for n, g in got["grads"].items())
+
+
+@pytest.mark.parametrize(("axes", "checkpointing"), W.CASES)
+def test_simulated_step_equals_one_process_on_dequantized_shards(
+    axes: dict[str, int], checkpointing: bool
+) -> None:
+    got, exact = W.on_simulated(axes, checkpointing)
+    _equal_to_one_process(got)
+    _exact_untouched_and_quantized_changed(got, exact)
     assert got["all_gather_bytes"] < exact["all_gather_bytes"] / 4
 
 
@@ -93,12 +91,4 @@ def test_gloo_ranks_equal_one_process_and_the_planner_prices_the_bytes(pools: An
             assert (1 + 4 / W.BLOCK) / 8 <= ratio < 0.16, ratio
     # The planner prices the same bytes, from shapes.
     for name, q in (("quantized", ff.QuantizedGather(block_size=W.BLOCK)), ("exact", None)):
-        report = ff.plan(
-            W.model(),
-            {"dp": 2},
-            policy=ff.Policy(gather_quantization=q),
-            batch=W.data(),
-            optimizer=ff.sgd(1.0),
-        )
-        priced = sum(c.bytes for c in report.comms if c.kind == "all_gather")
-        assert priced == r[name]["all_gather_bytes"], name
+        assert W.planned_bytes({"dp": 2}, q, "all_gather") == r[name]["all_gather_bytes"], name

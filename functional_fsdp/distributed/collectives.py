@@ -309,12 +309,13 @@ def raw_all_reduce(
     x: torch.Tensor,
     mesh: DeviceMesh,
     axis: str | tuple[str, ...],
-    op: ReduceOp = "sum",
+    op: ReduceOp | Literal["max"] = "sum",
     *,
     counters: Counters = None,
     meta: Any = None,
 ) -> torch.Tensor:
-    """Sum (or average) ``x`` over one or several axes. Not differentiable.
+    """Sum (average, or take the largest of) ``x`` over one or several axes. Not
+    differentiable.
 
     ``meta`` as for :func:`raw_all_gather`.
     """
@@ -334,7 +335,9 @@ def raw_all_reduce(
         what: What = ("all_reduce", mesh, a, x.shape, x.dtype)
         with torch.no_grad():
             x = _issued(
-                torch.ops._c10d_functional.all_reduce(_contiguous(x), "sum", _group_name(mesh, a)),
+                torch.ops._c10d_functional.all_reduce(
+                    _contiguous(x), "max" if op == "max" else "sum", _group_name(mesh, a)
+                ),
                 what,
             )
         issued += 1

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..spec import P
+from .float8_gather import Float8Gather
 from .quantized_gather import QuantizedGather
 
 
@@ -100,7 +101,9 @@ class Policy:
             off the mesh's device are copied this way under any policy.
         gather_quantization: send each unit's all-gather as blockwise int8
             (:class:`~functional_fsdp.QuantizedGather`, ZeRO++'s qwZ): about a quarter of
-            fp32's bytes; the shards at rest stay exact. ``None``: exact gathers.
+            fp32's bytes; or as float8 with a per-tensor scale from the global amax
+            (:class:`~functional_fsdp.Float8Gather`, FSDP2 + torchao's): a quarter of
+            fp32's bytes. The shards at rest stay exact. ``None``: exact gathers.
 
     Example:
         >>> Policy(reshard_after_forward=False, prefetch=2)  # SHARD_GRAD_OP, two units ahead
@@ -113,7 +116,7 @@ class Policy:
     activation_checkpointing: bool | Callable[[str], bool]
     grad_reduce: Literal["mean", "sum", "none"]
     offload: bool
-    gather_quantization: QuantizedGather | None
+    gather_quantization: QuantizedGather | Float8Gather | None
 
     def __init__(
         self,
@@ -124,7 +127,7 @@ class Policy:
         activation_checkpointing: bool | Callable[[str], bool] = False,
         grad_reduce: Literal["mean", "sum", "none"] = "mean",
         offload: bool = False,
-        gather_quantization: QuantizedGather | None = None,
+        gather_quantization: QuantizedGather | Float8Gather | None = None,
         checkpoint: bool | Callable[[str], bool] | None = None,
     ) -> None:
         if checkpoint is not None:  # the old name of activation_checkpointing
@@ -166,10 +169,11 @@ class Policy:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Policy(prefetch={self.prefetch!r}): use an int >= 0.")
         q = self.gather_quantization
-        if q is not None and not isinstance(q, QuantizedGather):
+        if q is not None and not isinstance(q, (QuantizedGather, Float8Gather)):
             raise TypeError(
                 f"Policy(gather_quantization={q!r}): pass ff.QuantizedGather(block_size=...) "
-                f"(blockwise int8 all-gathers), or None for exact gathers."
+                f"(blockwise int8 all-gathers), ff.Float8Gather() (float8 all-gathers with "
+                f"torchao's per-tensor scales), or None for exact gathers."
             )
 
 

@@ -32,6 +32,8 @@ from ..distributed import checks
 from ..distributed import collectives as C
 from ..distributed.axes import mesh_device
 from ..distributed.simulate import is_simulated
+from ..spec import format_mesh
+from .float8_gather import Float8Gather, amax_to_scale, shard_amaxes
 from .gradients import mean_divisor
 from .layout import ModelLayout, Round, UnitLayout, gather_dtype
 from .memory import EventKind, MemoryTracker, Phase
@@ -140,6 +142,9 @@ class Unit:
         # (set by run when every gathered parameter has one): used instead of all-gathers,
         # never freed; the backward still reduce-scatters onto the shards.
         self.replicas: list[torch.Tensor | None] | None = None
+        # Float8Gather: per parameter, the float32 scale of its float8 cast (None: sent as
+        # it is), set once per call (:func:`_float8_scales`); the backward's gather reuses it.
+        self.scales: list[torch.Tensor | None] = [None] * len(shards)
 
     def note(self, kind: EventKind, phase: Phase, key: int, replaces: int | None = None) -> None:
         for tracker in self.ctx.trackers:
@@ -159,7 +164,9 @@ class Unit:
             for r, rnd in enumerate(self.layout.rounds):
                 if rnd.first:
                     inputs = [self.ctx.to_device(plain[p.index]) for p in rnd.pieces]
-                    self.prefetched[r] = self._issue(r, [t.to(rnd.dtype) for t in inputs])
+                    if not isinstance(self._quantized(r), Float8Gather):  # casts from these
+                        inputs = [t.to(rnd.dtype) for t in inputs]
+                    self.prefetched[r] = self._issue(r, inputs)
         self.note("prefetch", phase, self.token)
 
     def drop_prefetch(self, phase: Phase) -> None:
@@ -170,17 +177,29 @@ class Unit:
             self.prefetched.clear()
             self.note("free", phase, self.token)
 
-    def _quantized(self, r: int) -> QuantizedGather | None:
+    def _quantized(self, r: int) -> QuantizedGather | Float8Gather | None:
         """The quantization of round ``r``'s all-gather: a first round of floating values
-        under ``Policy(gather_quantization=...)``, else ``None``."""
+        under ``Policy(gather_quantization=...)`` (for float8, with a piece it casts), else
+        ``None``."""
         q, rnd = self.ctx.policy.gather_quantization, self.layout.rounds[r]
-        return q if q is not None and rnd.first and rnd.dtype.is_floating_point else None
+        if q is None or not rnd.first or not rnd.dtype.is_floating_point:
+            return None
+        if isinstance(q, Float8Gather) and all(self.scales[p.index] is None for p in rnd.pieces):
+            return None
+        return q
 
     def _issue(self, r: int, inputs: list[torch.Tensor]) -> torch.Tensor:
-        """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order)."""
+        """Issue round ``r``'s all-gather of ``inputs`` (its pieces' blocks, in order; under
+        float8, the shards as they are at rest: the cast reads them, not a copy in the
+        gather dtype)."""
         layout, ctx = self.layout, self.ctx
-        q = self._quantized(r)
-        if q is not None:  # int8 blocks and their scales, in one collective
+        q, rnd = self._quantized(r), layout.rounds[r]
+        if isinstance(q, Float8Gather):  # float8 values (the scales every rank has)
+            scales = [self.scales[p.index] for p in rnd.pieces]
+            inputs = q.pack(
+                [t if s is not None else t.to(rnd.dtype) for t, s in zip(inputs, scales)], scales
+            )
+        elif q is not None:  # int8 blocks and their scales, in one collective
             inputs = [q.pack(inputs)]
         return issue_gather(
             inputs, ctx.mesh, layout.rounds[r], counters=ctx.counters, meta=layout.labels[r]
@@ -193,7 +212,13 @@ class Unit:
             return gathered
         rnd = self.layout.rounds[r]
         numels = [math.prod(p.local_shape) for p in rnd.pieces]
-        out = q.unpack(gathered.view(rnd.size, -1), numels, rnd.dtype)
+        if isinstance(q, Float8Gather):
+            scales = [self.scales[p.index] for p in rnd.pieces]
+            shapes = [(k, rnd.dtype) for k in numels]
+            parts = q.unpack(gathered.view(rnd.size, -1), shapes, rnd.dtype, scales)
+            out = torch.cat(parts, dim=1)
+        else:
+            out = q.unpack(gathered.view(rnd.size, -1), numels, rnd.dtype)
         C.release(gathered)
         return out
 
@@ -207,9 +232,9 @@ class Unit:
         tensors to write (the regather in backward); otherwise they are allocated.
         """
         layout = self.layout
-        current = [self.ctx.to_device(s) for s in shards]
+        rest = [self.ctx.to_device(s) for s in shards]
         current = [
-            s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in current
+            s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in rest
         ]
         full: list[torch.Tensor | None] = [None] * len(current)
         if self.replicas is not None:  # held at rest: nothing to gather, nothing to free
@@ -220,7 +245,8 @@ class Unit:
         for r, rnd in enumerate(layout.rounds):
             pending = self.prefetched.pop(r, None)
             if pending is None:
-                pending = self._issue(r, [current[p.index] for p in rnd.pieces])
+                src = rest if isinstance(self._quantized(r), Float8Gather) else current
+                pending = self._issue(r, [src[p.index] for p in rnd.pieces])
             gathered = self._received(r, C.wait(pending))  # [n, the pieces' local numels]
             n = rnd.size
             if len(rnd.pieces) == 1 and rnd.pieces[0].dim == 0 and into is None and n > 1:
@@ -526,6 +552,8 @@ class CallState:
                 _use_replicas(unit, replicas)
         if not ctx.sync:
             _check_unsynced(self.units)
+        if isinstance(ctx.policy.gather_quantization, Float8Gather):
+            _float8_scales(self.units, ctx, ctx.policy.gather_quantization)
         self.calls: list[Call] = []  # this call's unit invocations, in order
         self.position = {name: i for i, name in enumerate(layout.order)}
         self.prefetched_upto = -1  # forward prefetch: units up to this position were issued
@@ -624,3 +652,46 @@ def _check_unsynced(units: Mapping[str, Unit]) -> None:
                         f"axes first (train_step(accumulate_mode='local') does), or use "
                         f"grad_reduce='mean'."
                     )
+
+
+def _float8_scales(units: Mapping[str, Unit], ctx: Context, q: Float8Gather) -> None:
+    """Set each unit's float8 scales: the amax of every cast parameter over all its shards,
+    by one all-reduce (MAX) of the shards' amaxes per mesh axis they are split over, for all
+    units at once (torchao's ``precompute_float8_dynamic_scale_for_fsdp``)."""
+    cast: list[tuple[Unit, int]] = []
+    axes: set[str] = set()
+    for unit in units.values():
+        if unit.replicas is not None:  # held at rest (ZeRO-1/2): nothing is gathered
+            continue
+        up = unit.layout
+        for rnd in up.rounds:
+            if not rnd.first:
+                continue
+            for p in rnd.pieces:
+                name, lay = up.names[p.index], up.layouts[p.index]
+                floating = rnd.dtype.is_floating_point
+                if not q.selects(name) or (q.params is None and not floating):
+                    continue  # by default, integer tensors (packed bases) go as they are
+                if not floating:
+                    raise ValueError(
+                        f"Policy(gather_quantization=Float8Gather(params={q.params!r})): "
+                        f"params[{name!r}] (shape {lay.global_shape}, {lay.spec}, "
+                        f"{format_mesh(ctx.sizes)}) is {up.dtypes[p.index]}, and float8 casts "
+                        f"floating tensors only. Leave it out of params= (patterns of the key "
+                        f"paths to cast, or a predicate), or gather it exactly: it is then sent "
+                        f"as it is."
+                    )
+                cast.append((unit, p.index))
+                axes.update(a for a in lay.spec.axes if ctx.sizes[a] > 1)
+    if not cast:
+        return
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        amax = shard_amaxes([_plain(u.shards[i]) for u, i in cast]).to(ctx.device)
+        ordered = tuple(a for a in ctx.sizes if a in axes)  # the same order on every rank
+        if ordered:
+            amax = C.wait(
+                C.raw_all_reduce(amax, ctx.mesh, ordered, op="max", counters=ctx.counters)
+            )
+        scales = amax_to_scale(amax, q.dtype)
+    for k, (unit, i) in enumerate(cast):
+        unit.scales[i] = scales[k]
