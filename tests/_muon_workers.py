@@ -3,7 +3,8 @@ sequences, and the runs on gloo ranks (FSDP, ZeRO's optimizer shards, HSDP, dp x
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -255,15 +256,45 @@ def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
         if layout == "fsdp_jit":  # the whole step, Muon's all-to-alls included, one graph
             step = ff.jit(step, backend="eager")
         state = ff.TrainState.create(f.shard(), opt, **create)
-        with ff.count_comms() as comms:
+        captured: list[Any] = []
+        with ff.count_comms() as comms, _capturing_exchange(captured, layout != "fsdp_jit"):
             for ids in llama_batches(steps):
                 state, _ = step(state, ids)
         params = ff.gather(state.params)
         out[layout] = {
             "params": {k: v.clone() for k, v in params.items()},
             "all_to_all": comms.bytes("all_to_all") // steps,
+            "exchange_peak": _exchange_peak(*captured[0]) if captured else None,
         }
     return out
+
+
+@contextlib.contextmanager
+def _capturing_exchange(captured: list[Any], on: bool) -> Iterator[None]:
+    """Keep a copy of the first exchange's matrices (the step's own momentum blocks)."""
+    original = M._on_owners
+
+    def capture(mesh: Any, leaves: list[Any], ns: Any) -> list[torch.Tensor]:
+        if on and not captured:
+            captured.append((mesh, [x._replace(local=x.local.clone()) for x in leaves]))
+        return original(mesh, leaves, ns)
+
+    M._on_owners = capture
+    try:
+        yield
+    finally:
+        M._on_owners = original
+
+
+def _exchange_peak(mesh: Any, leaves: list[Any]) -> int:
+    """The peak of tensor memory the exchange adds on this rank, measured by torch's
+    profiler, with Newton-Schulz replaced by the identity (its result is then the matrix
+    whole: the same bytes, without its temporaries); the least of 3 runs."""
+    torch.distributed.barrier()
+    return min(
+        ff.tensor_peak(lambda: M._on_owners(mesh, leaves, lambda x, d: x)).added_bytes
+        for _ in range(3)
+    )
 
 
 # --------------------------------------------------------------------------- checkpoints

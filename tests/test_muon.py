@@ -129,8 +129,11 @@ def test_signature_positional_order_and_defaults_are_optax() -> None:
         (ff.contrib.scale_by_muon, optax.contrib.scale_by_muon),
     ):
         a, b = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
-        assert list(a) == list(b)
-        for k in a:
+        # optax's parameters, in its order, then this library's one extension.
+        assert list(a) == [*b, "matrix_budget_bytes"]
+        extra = a["matrix_budget_bytes"]
+        assert (extra.kind, extra.default) == (inspect.Parameter.KEYWORD_ONLY, None)
+        for k in b:
             assert a[k].kind == b[k].kind, k
             if k not in ("ns_coeffs", "mu_dtype", "muon_weight_dimension_numbers"):
                 assert a[k].default == b[k].default, k
@@ -179,6 +182,37 @@ def test_errors_name_the_leaf_and_the_fix() -> None:
             ff.contrib.muon(1e-2).init({"w": torch.ones(2, 2)}),
             {"w": torch.ones(2, 2)},
         )
+
+
+def test_a_matrix_over_the_budget_is_refused_by_name() -> None:
+    """matrix_budget_bytes: init (and so TrainState.create and ff.plan) refuses a matrix whose
+    momentum takes more bytes whole, naming it, its shape, spec, mesh, the budget and the
+    fixes; at the budget, the numbers are unchanged."""
+    rule = W.by_name  # w (7, 3), c (3, 7), q (5, 5), t (2, 3, 4) to Muon
+    full = W.params()
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        p = ff.shard(full, mesh, W.LAYOUTS["fsdp"][1])
+        over = ff.contrib.muon(1e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=99)
+        with pytest.raises(
+            ValueError,
+            match=r"muon.*: q of shape \(5, 5\) \(torch.float32, spec P\('dp'.*\) on mesh "
+            r"\{'dp': 2\}\) takes 100 B whole.*over matrix_budget_bytes=99.*at least 100.*Adam",
+        ):
+            over.init(p)
+    grads = W.grads(3)
+    at = W.run("defaults", W.params(), grads)
+    budget = ff.contrib.muon(1e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=100)
+    state, ours = budget.init(W.params()), W.params()
+    for g in grads:
+        u, state = budget.update(g, state, ours)
+        ours = ff.apply_updates(ours, u)
+    assert all(torch.equal(ours[k], at[k]) for k in at)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    small = ff.contrib.muon(1e-2, matrix_budget_bytes=300)
+    with pytest.raises(ValueError, match=r"1.weight of shape \(16, 8\).*takes 512 B"):
+        ff.plan(model, {"dp": 2}, optimizer=small)
+    with pytest.raises(TypeError, match="matrix_budget_bytes must be a positive int"):
+        ff.contrib.muon(1e-2, matrix_budget_bytes=0).init(W.params())
 
 
 def test_owners_balance_flops_on_a_llama_of_8_layers_over_4_ranks() -> None:
@@ -323,6 +357,17 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
     for layout, report in plans.items():
         priced = sum(c.bytes for c in report.comms if c.kind == "all_to_all")
         assert priced == measured[layout]["all_to_all"], layout
+    # ... and the owners' memory, rank by rank: the peak of tensor memory the exchange of
+    # the step's own momentum adds, measured by torch's profiler on each gloo rank.
+    for results, layouts in ((two, ["fsdp_donate", "zero2_masters"]), (four, ["dp_tp"])):
+        for layout in layouts:
+            held = [r[layout]["exchange_peak"] for r in results]
+            assert list(plans[layout].owner_bytes) == held, (layout, held)
+            assert plans[layout].owner_peak_bytes == max(held) > 0, layout
+    report = plans["fsdp_donate"]
+    without = ff.plan(model, {"dp": 2}, optimizer="adamw")
+    assert report.peak_bytes - report.owner_peak_bytes < without.peak_bytes  # one moment
+    assert report.owner_bytes[report.owner_peak_rank] == report.owner_peak_bytes
 
 
 @pytest.mark.multiprocess
@@ -339,3 +384,42 @@ def test_checkpoint_saved_on_four_ranks_resumes_on_two_and_four(pools: Any, tmp_
     for r in on_two:
         for k, v in ref.items():
             torch.testing.assert_close(r[k], v, **TOL["float32"])
+
+
+def test_compare_strategies_prices_adamw_and_muon_side_by_side() -> None:
+    """One call, two optimizers: each strategy's AdamW and Muon reports next to each other,
+    each the plan of that optimizer alone; Muon's owners' memory in the peak."""
+    from functional_fsdp.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2))
+
+    def matrices(path: str, p: Any) -> Any:
+        return None if p.ndim != 2 or "emb" in path or "head" in path else W.MDN(1, 0)
+
+    muon = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=matrices)
+    cmp = ff.compare_strategies(
+        model, 4, strategies=("zero3", "zero2"), optimizer={"adamw": "adamw", "muon": muon}
+    )
+    names = ["zero3/adamw", "zero3/muon", "zero2/adamw", "zero2/muon"]
+    assert [r.name for r in cmp.reports] == names
+    alone = {
+        "zero3/muon": ff.plan(model, {"dp": 4}, optimizer=muon),
+        "zero2/adamw": ff.plan(model, {"dp": 4}, specs=ff.P(), opt_specs=ff.P("dp")),
+    }
+    for name, report in alone.items():
+        got = cmp[name]
+        assert (got.opt_state_bytes, got.owner_bytes, got.comms, got.peak_bytes) == (
+            report.opt_state_bytes,
+            report.owner_bytes,
+            report.comms,
+            report.peak_bytes,
+        ), name
+    for s in ("zero3", "zero2"):
+        adamw, mu = cmp[f"{s}/adamw"], cmp[f"{s}/muon"]
+        assert mu.opt_state_bytes < adamw.opt_state_bytes  # one moment for the matrices
+        assert adamw.owner_bytes == () and len(mu.owner_bytes) == 4 and mu.owner_peak_bytes > 0
+        assert mu.comm_bytes("all_to_all") > 0 == adamw.comm_bytes("all_to_all")
+    assert "whole matrices on rank" in cmp["zero3/muon"].summary()
+    with pytest.raises(ValueError, match="at least one optimizer"):
+        ff.compare_strategies(model, 4, optimizer={})

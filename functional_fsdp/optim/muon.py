@@ -35,9 +35,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import optree
@@ -48,7 +49,7 @@ from ..distributed import collectives as C
 from ..distributed import process
 from ..distributed.axes import axis_sizes, mesh_grid
 from ..distributed.simulate import is_simulated
-from ..sharded import Sharded, block_of, unpad
+from ..sharded import Sharded, unpad
 from ._tree import check_dtype, check_real, check_tensor_tree, leaves_like, zeros_like_tree
 from .schedules import Schedule
 from .transforms import (
@@ -348,6 +349,16 @@ def _on_owners(
     coords = [grid.coordinate(r) for r in grid.ranks]
     me = grid.ranks.index(process.rank())
     owners = plan_owners(mesh, [(tuple(x.value.global_shape), x.dims) for x in leaves])
+    for book in _RECORDERS:
+        book.append(
+            (
+                axis_sizes(mesh),
+                [
+                    (tuple(x.value.global_shape), x.value.spec, x.dims, x.local.dtype)
+                    for x in leaves
+                ],
+            )
+        )
     out: list[torch.Tensor | None] = [None] * len(leaves)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -388,15 +399,8 @@ def exchange_bytes(
     """
     from ..spec import Layout
 
-    names = list(axis_sizes)
-    n = math.prod(axis_sizes.values())
-    coords = []
-    for index in range(n):
-        values = []
-        for name in reversed(names):
-            values.append(index % axis_sizes[name])
-            index //= axis_sizes[name]
-        coords.append(dict(zip(names, reversed(values))))
+    coords = _coordinates(axis_sizes)
+    n = len(coords)
     owners = assign_owners([ns_flops(tuple(s), d, 1) for s, _, d in matrices], n)
     sent = [0] * n
     for (shape, spec, _), o in zip(matrices, owners):
@@ -407,6 +411,114 @@ def exchange_bytes(
                 sent[k] += sizes[k] * itemsize
         sent[o] += sum(sizes[k] for k in range(n) if k != o) * itemsize
     return sent
+
+
+def exchange_memory(
+    matrices: Sequence[tuple[Sequence[int], Any, MuonDimensionNumbers, torch.dtype]],
+    axis_sizes: dict[str, int],
+) -> list[int]:
+    """The most bytes each rank holds at once in Muon's exchange, from shapes alone.
+
+    Per dtype of momentum (in order of first appearance), a rank holds: in the first
+    all-to-all its send buffer ``S1`` (its blocks for the owners) and its receive buffer
+    ``R1`` (the other blocks of the matrices it owns); then ``R1`` and its matrices whole
+    ``W`` (each orthogonalized in place of its input); in the second all-to-all ``W``, its
+    send buffer ``S2`` (the others' blocks of its results) and its receive buffer ``R2``
+    (its blocks of the others' results); and at the end ``W``, ``R2`` and the blocks it
+    returns ``O`` (its padded shards of the update). The peak is the largest of ``S1 + R1``,
+    ``R1 + W``, ``W + S2 + R2`` and ``W + R2 + O``, on top of the blocks returned for the
+    dtypes before. Newton–Schulz's own temporaries (a few matrices of the size of the one
+    being orthogonalized) are not included.
+
+    Args:
+        matrices: ``(global shape, spec, dimension numbers, momentum dtype)`` of each Muon
+            leaf sharded on the mesh, in the order of the params tree.
+        axis_sizes: the mesh's axes and sizes, in mesh order.
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.spec import P
+        >>> m = ((8, 4), P("dp"), MuonDimensionNumbers(), torch.float32)
+        >>> exchange_memory([m, m], {"dp": 2})  # each rank: one matrix whole (128 B)
+        [320, 320]
+    """
+    from ..spec import Layout
+
+    coords = _coordinates(axis_sizes)
+    n = len(coords)
+    owners = assign_owners([ns_flops(tuple(s), d, 1) for s, _, d, _ in matrices], n)
+    peaks = [0] * n
+    returned = [0] * n
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, m in enumerate(matrices):
+        groups.setdefault(m[3], []).append(i)
+    for dtype, chosen in groups.items():
+        size = dtype.itemsize
+        s1, r1, whole, s2, r2, blocks = ([0] * n for _ in range(6))
+        for i in chosen:
+            shape, spec, _, _ = matrices[i]
+            o = owners[i]
+            layout = Layout.make(tuple(shape), spec, axis_sizes)
+            sizes = [math.prod(x.stop - x.start for x in layout.owned(c)[0]) * size for c in coords]
+            for k in _sources(layout, coords[o], coords):
+                if k != o:
+                    s1[k] += sizes[k]
+                    r1[o] += sizes[k]
+            whole[o] += math.prod(shape) * size
+            s2[o] += sum(sizes[k] for k in range(n) if k != o)
+            for k in range(n):
+                if k != o:
+                    r2[k] += sizes[k]
+                blocks[k] += layout.local_numel * size
+        for k in range(n):
+            peak = max(
+                s1[k] + r1[k],
+                r1[k] + whole[k],
+                whole[k] + s2[k] + r2[k],
+                whole[k] + r2[k] + blocks[k],
+            )
+            peaks[k] = max(peaks[k], returned[k] + peak)
+            returned[k] += blocks[k]
+    return peaks
+
+
+def _coordinates(axis_sizes: dict[str, int]) -> list[dict[str, int]]:
+    """Each rank's coordinates, in the mesh's row-major rank order."""
+    names = list(axis_sizes)
+    coords = []
+    for index in range(math.prod(axis_sizes.values())):
+        values = []
+        for name in reversed(names):
+            values.append(index % axis_sizes[name])
+            index //= axis_sizes[name]
+        coords.append(dict(zip(names, reversed(values))))
+    return coords
+
+
+# Open recorders of recording_exchanges(): each gets (axis sizes, matrices) per exchange.
+_RECORDERS: list[list[tuple[dict[str, int], list[Any]]]] = []
+
+
+@contextlib.contextmanager
+def recording_exchanges() -> Iterator[list[tuple[dict[str, int], list[Any]]]]:
+    """Record the exchanges Muon runs inside the block: for each, the mesh's axis sizes and
+    the ``(global shape, spec, dimension numbers, momentum dtype)`` of its matrices (the
+    arguments of :func:`exchange_memory`). The planner prices the owners' memory this way.
+
+    Example:
+        >>> import torch
+        >>> t, g = scale_by_muon(), {"w": torch.ones(2, 2)}
+        >>> with recording_exchanges() as book:
+        ...     _ = t.update(g, t.init(g))
+        >>> book  # one process: nothing to exchange
+        []
+    """
+    book: list[tuple[dict[str, int], list[Any]]] = []
+    _RECORDERS.append(book)
+    try:
+        yield book
+    finally:
+        _RECORDERS.remove(book)
 
 
 def _sources(layout: Any, owner: dict[str, int], coords: list[dict[str, int]]) -> list[int]:
@@ -429,6 +541,10 @@ def _exchange(
     out: list[torch.Tensor | None],
     indices: list[int],
 ) -> None:
+    """The two all-to-alls of one dtype's matrices. What a rank holds is what
+    :func:`exchange_memory` prices: a flat send buffer and the receive buffer of each
+    all-to-all (each send buffer freed once sent), the matrices it owns whole (from the
+    first receive until the end), and the blocks it returns."""
     n = len(coords)
     layouts = [leaf.value.layout for leaf in leaves]
     sources = [_sources(lay, coords[o], coords) for lay, o in zip(layouts, owners)]
@@ -441,7 +557,7 @@ def _exchange(
     recv_sizes = [0] * n
     for leaf, lay, o, src in zip(leaves, layouts, owners, sources):
         if me in src and o != me:
-            send[o].append(unpad(leaf.local, lay, coords[me]).reshape(-1))
+            send[o].append(unpad(leaf.local, lay, coords[me]))
         if o == me:
             for k in src:
                 if k != me:
@@ -462,7 +578,9 @@ def _exchange(
                 whole[slices] = received[offsets[k] : offsets[k] + size].view(whole[slices].shape)
                 offsets[k] += size
         full[j] = ns(whole, leaf.dims)
+        del whole
     C.release(received)
+    del received
     # Scatter: each rank's block of the matrices I own, from me; mine from their owners.
     send = [[] for _ in range(n)]
     recv_sizes = [0] * n
@@ -470,7 +588,7 @@ def _exchange(
         if o == me:
             for k in range(n):
                 if k != me:
-                    send[k].append(full[j][lay.owned(coords[k])[0]].reshape(-1))
+                    send[k].append(full[j][lay.owned(coords[k])[0]])
         else:
             recv_sizes[o] += numel(lay, me)
     received = _all_to_all(mesh, send, recv_sizes, dtype, leaves[0].local)
@@ -479,7 +597,7 @@ def _exchange(
         mine = torch.zeros_like(leaf.local)
         real = unpad(mine, lay, coords[me])
         if o == me:
-            real.copy_(block_of(full[j], lay, coords[me])[tuple(slice(0, s) for s in real.shape)])
+            real.copy_(full[j][lay.owned(coords[me])[0]])
         else:
             size = real.numel()
             real.copy_(received[offsets[o] : offsets[o] + size].view(real.shape))
@@ -503,9 +621,18 @@ def _all_to_all(
     dtype: torch.dtype,
     like: torch.Tensor,
 ) -> torch.Tensor:
-    parts = [p for chunk in send for p in chunk]
-    flat = torch.cat(parts) if parts else like.new_empty(0, dtype=dtype)
-    return C.raw_all_to_all(flat, mesh, [sum(p.numel() for p in c) for c in send], recv_sizes)
+    """Copy the blocks (views, any strides) into one flat buffer, send it, free it."""
+    sizes = [sum(p.numel() for p in chunk) for chunk in send]
+    flat = like.new_empty(sum(sizes), dtype=dtype)
+    at = 0
+    for chunk in send:
+        for p in chunk:
+            flat[at : at + p.numel()].view(p.shape).copy_(p)
+            at += p.numel()
+    send.clear()
+    received = C.raw_all_to_all(flat, mesh, sizes, recv_sizes)
+    C.release(flat)
+    return received
 
 
 # --------------------------------------------------------------------------- which leaves
@@ -577,6 +704,7 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: Preconditioning = "frobenius",
     weight_dimension_numbers: WeightDimNumOrFn = None,
+    matrix_budget_bytes: int | None = None,
 ) -> GradientTransformation:
     """Muon's rescaling, optax.contrib's: momentum, then each matrix's (Nesterov) momentum
     orthogonalized whole with Newton–Schulz.
@@ -596,6 +724,9 @@ def scale_by_muon(
         preconditioning: see :func:`orthogonalize_via_newton_schulz`.
         weight_dimension_numbers: see :func:`resolve_dims`; ``None`` is optax's default
             numbers for every leaf (optax raises for a tree of several leaves there).
+        matrix_budget_bytes: the most bytes one leaf may take whole (in the momentum's
+            dtype) on the rank that orthogonalizes it; ``init`` refuses a larger one (see
+            :func:`check_budget`). ``None``: no limit. Not optax's (an extension).
 
     Example:
         >>> import torch
@@ -617,6 +748,8 @@ def scale_by_muon(
 
     def init(params: Params) -> MuonState:
         check_tensor_tree(params, "scale_by_muon.init")
+        if matrix_budget_bytes is not None:
+            check_budget("scale_by_muon", params, mu_dtype, matrix_budget_bytes)
         return MuonState(count=0, mu=zeros_like_tree(params, mu_dtype), ns_coeffs=coeffs)
 
     def update(
@@ -660,6 +793,41 @@ def scale_by_muon(
         )
 
     return GradientTransformationExtraArgs(init, update)
+
+
+def check_budget(where: str, params: Params, mu_dtype: torch.dtype | None, budget: int) -> None:
+    """Refuse a leaf whose momentum, whole, takes more than ``budget`` bytes.
+
+    Newton–Schulz needs the whole matrix, and one rank (its owner) holds it whole: a leaf
+    above the budget is not split over several ranks (not provided yet); the error names it,
+    and the fixes.
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     check_budget("scale_by_muon", {"w": torch.ones(4, 4)}, None, 32)
+        ... except ValueError as e:
+        ...     print(str(e).split(". ")[0])
+        scale_by_muon: w of shape (4, 4) (torch.float32) takes 64 B whole on its owner, over matrix_budget_bytes=32
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise TypeError(f"{where}: matrix_budget_bytes must be a positive int, got {budget!r}.")
+    paths, leaves, _ = optree.tree_flatten_with_path(params)
+    for path, x in zip(paths, leaves):
+        dtype = mu_dtype or x.dtype
+        nbytes = math.prod(x.shape) * dtype.itemsize
+        if nbytes > budget:
+            where_is = ""
+            if isinstance(x, Sharded):
+                where_is = f", spec {x.spec} on mesh {dict(axis_sizes(x.mesh))}"
+            raise ValueError(
+                f"{where}: {dotted(path) or '<root>'} of shape {tuple(x.shape)} ({dtype}"
+                f"{where_is}) takes {nbytes} B whole on its owner, over matrix_budget_bytes="
+                f"{budget}. Muon orthogonalizes each matrix whole on one rank; splitting one "
+                f"over several ranks is not provided. Raise matrix_budget_bytes to at least "
+                f"{nbytes}, or give this leaf to Adam (None for it in "
+                f"muon_weight_dimension_numbers)."
+            )
 
 
 def _like(value: Any, local: torch.Tensor) -> Any:
@@ -732,6 +900,7 @@ def muon(
     adam_learning_rate: float | Schedule | None = None,
     muon_weight_dimension_numbers: WeightDimNumOrFn = None,
     consistent_rms: float | None = None,
+    matrix_budget_bytes: int | None = None,
 ) -> GradientTransformation:
     """Muon, optax.contrib's: the same arguments, order, defaults and numbers.
 
@@ -740,7 +909,9 @@ def muon(
     weight decay (``weight_decay_mask`` selects, as in :func:`~functional_fsdp.masked`) and
     the learning rate; the other leaves get ``adamw(adam_learning_rate or learning_rate,
     adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov)``.
-    ``ns_coeffs`` may name a preset: ``"standard"`` or ``"dion"``.
+    ``ns_coeffs`` may name a preset: ``"standard"`` or ``"dion"``. ``matrix_budget_bytes``
+    (not optax's) refuses, at ``init``, a matrix whose momentum takes more bytes whole (see
+    :func:`check_budget`).
 
     Embeddings and output heads are matrices too; Muon's authors give them to Adam. Say so by
     name, e.g. ``muon_weight_dimension_numbers=lambda path, p: None if "embed" in path or
@@ -789,6 +960,7 @@ def muon(
                     adaptive=adaptive,
                     preconditioning=preconditioning,
                     weight_dimension_numbers=inner_rule,
+                    matrix_budget_bytes=matrix_budget_bytes,
                 ),
                 scale_by_shape(inner_rule, consistent_rms),
                 add_decayed_weights(weight_decay, weight_decay_mask),

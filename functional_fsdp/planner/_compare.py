@@ -129,7 +129,7 @@ def compare_strategies(
     mixed_precision: MixedPrecision | None = None,
     checkpoint: bool | Callable[[str], bool] = False,
     prefetch: int = 1,
-    optimizer: OptimizerArg = "adamw",
+    optimizer: OptimizerArg | Mapping[str, OptimizerArg] = "adamw",
     master_weights: bool | None = None,
     loss_fn: Any = "lm",
 ) -> Comparison:
@@ -166,7 +166,10 @@ def compare_strategies(
         mixed_precision: the policy's mixed precision, shared by all strategies.
         checkpoint: the policy's activation checkpointing, shared by all strategies.
         prefetch: the policy's prefetch depth, shared by all strategies.
-        optimizer: as for :func:`plan`.
+        optimizer: as for :func:`plan`; or ``{label: optimizer}`` to price every strategy
+            with each (e.g. ``{"adamw": "adamw", "muon": ff.contrib.muon(0.02)}``): the
+            reports are then named ``"{strategy}/{label}"``, each strategy's optimizers
+            next to each other.
         master_weights: keep parameters in ``mixed_precision.param_dtype`` and fp32 masters
             in the optimizer state (:func:`~functional_fsdp.master_weights`). ``None``: when
             ``mixed_precision`` has a ``param_dtype``. With Adam this is the paper's setup, and
@@ -174,8 +177,9 @@ def compare_strategies(
         loss_fn: as for :func:`plan`.
 
     Raises:
-        ValueError: an unknown strategy, or a size that does not divide ``world_size``
-            (``hsdp_shard`` and ``tp`` must divide ``world_size / cp``).
+        ValueError: an unknown strategy, a size that does not divide ``world_size``
+            (``hsdp_shard`` and ``tp`` must divide ``world_size / cp``), or an empty mapping
+            of optimizers.
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -183,6 +187,11 @@ def compare_strategies(
         >>> cmp = ff.compare_strategies(model, 4, strategies=("ddp", "zero2", "shard_grad_op"))
         >>> [r.param_bytes for r in cmp.reports]
         [66560, 66560, 16640]
+        >>> sgd_too = ff.compare_strategies(
+        ...     model, 4, strategies=("zero3",), optimizer={"adamw": "adamw", "sgd": "sgd"}
+        ... )
+        >>> [(r.name, r.opt_state_bytes) for r in sgd_too.reports]
+        [('zero3/adamw', 33280), ('zero3/sgd', 0)]
     """
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -197,10 +206,20 @@ def compare_strategies(
     param_dtype = base["mixed_precision"].param_dtype
     if master_weights is None:
         master_weights = param_dtype is not None
-    opt = _optimizer(optimizer)
-    if master_weights and opt is not None:
-        opt = wrap_masters(opt, param_dtype=param_dtype or torch.float32)
-    common: dict[str, Any] = dict(batch=batch, units=units, optimizer=opt, loss_fn=loss_fn)
+    labelled = isinstance(optimizer, Mapping)
+    given = dict(optimizer) if isinstance(optimizer, Mapping) else {"": optimizer}
+    if not given:
+        raise ValueError(
+            "compare_strategies(optimizer={}): give at least one optimizer, e.g. "
+            "{'adamw': 'adamw', 'muon': ff.contrib.muon(0.02)}."
+        )
+    opts: dict[str, Any] = {}
+    for label, arg in given.items():
+        opt = _optimizer(arg)
+        if master_weights and opt is not None:
+            opt = wrap_masters(opt, param_dtype=param_dtype or torch.float32)
+        opts[label] = opt
+    common: dict[str, Any] = dict(batch=batch, units=units, loss_fn=loss_fn)
     memo: dict[Any, Any] = {}  # unit plans, optimizer state and traces the strategies share
     _check_divides("cp", cp, world_size)
     n = world_size // cp  # ranks per position of the sequence
@@ -209,6 +228,7 @@ def compare_strategies(
     data = {"dp": n, **seq}
     zero_specs = P(("dp", "cp")) if cp > 1 else P("dp")
     reports = []
+    paper: dict[str, float] = {}
     for s in strategies:
         if s == "ddp":
             kw: dict[str, Any] = dict(mesh=data, specs=P())
@@ -230,13 +250,14 @@ def compare_strategies(
             kw = dict(mesh={"dp": n // tp, **seq, "tp": tp}, tp_plan=tp_plan)
         kw.setdefault("policy", Policy(**base))
         mesh = kw.pop("mesh")
-        reports.append(plan(model, mesh, name=s, _memo=memo, **common, **kw))
-    paper = {}
-    if master_weights and optimizer in ("adam", "adamw") and param_dtype is not None:
-        for r in reports:
-            figure = paper_bytes(r.name, r.params, world_size)
-            if figure is not None and param_dtype.itemsize == 2:
-                paper[r.name] = figure
+        for label, opt in opts.items():
+            name = f"{s}/{label}" if labelled else s
+            reports.append(plan(model, mesh, name=name, optimizer=opt, _memo=memo, **common, **kw))
+            adam = isinstance(given[label], str) and given[label] in ("adam", "adamw")
+            if master_weights and adam and param_dtype is not None and param_dtype.itemsize == 2:
+                figure = paper_bytes(s, reports[-1].params, world_size)
+                if figure is not None:
+                    paper[name] = figure
     return Comparison(tuple(reports), paper)
 
 

@@ -47,6 +47,7 @@ from ..formats import replicated_bytes, storage_view
 from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import MasterWeightsState, _widens
+from ..optim.muon import exchange_memory, recording_exchanges
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -147,6 +148,12 @@ class PlanReport:
         comms: the step's collectives (see :class:`CommFigure`).
         units: per-unit figures, the root unit first.
         seconds: how long planning took.
+        owner_bytes: per rank (in the mesh's row-major order), the most bytes the
+            optimizer's exchange of whole matrices holds at once (Muon: the matrices a rank
+            owns, whole, and the buffers of its two all-to-alls; see
+            :func:`functional_fsdp.optim.muon.exchange_memory`); empty for optimizers
+            without one. Owners differ by rank, so this one figure differs by rank: the
+            peak counts the largest (:attr:`owner_peak_bytes`, on :attr:`owner_peak_rank`).
 
     Example:
         >>> import torch, functional_fsdp as ff
@@ -180,11 +187,24 @@ class PlanReport:
     comms: tuple[CommFigure, ...]
     units: tuple[UnitFigure, ...] = field(repr=False)
     seconds: float = field(default=0.0, compare=False)
+    owner_bytes: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
         """Ranks in the mesh."""
         return math.prod(self.mesh.values())
+
+    @property
+    def owner_peak_bytes(self) -> int:
+        """The largest of :attr:`owner_bytes` (0 without an exchange)."""
+        return max(self.owner_bytes, default=0)
+
+    @property
+    def owner_peak_rank(self) -> int:
+        """The rank that holds :attr:`owner_peak_bytes` (the lowest of equals; 0 without an
+        exchange)."""
+        peak = self.owner_peak_bytes
+        return next((r for r, b in enumerate(self.owner_bytes) if b == peak), 0)
 
     @property
     def at_rest_bytes(self) -> int:
@@ -194,14 +214,16 @@ class PlanReport:
     @property
     def peak_bytes(self) -> int:
         """An upper estimate of the step's peak: at rest + gathered peak + activations (+ the
-        recompute of one checkpointed unit). It adds figures whose peaks need not coincide,
-        and leaves out transient buffers (the reduce-scatter inputs of one unit, the
-        optimizer's temporaries, the allocator's fragmentation)."""
+        recompute of one checkpointed unit) + the optimizer's exchange of whole matrices on
+        the rank where it is largest (:attr:`owner_peak_bytes`). It adds figures whose peaks
+        need not coincide, and leaves out transient buffers (the reduce-scatter inputs of one
+        unit, the optimizer's element-wise temporaries, the allocator's fragmentation)."""
         return (
             self.at_rest_bytes
             + self.gathered_peak_bytes
             + (self.activation_bytes or 0)
             + self.recompute_bytes
+            + self.owner_peak_bytes
         )
 
     def fits(self, gib: float) -> bool:
@@ -253,6 +275,8 @@ class PlanReport:
             "activation_bytes_no_checkpoint": self.activation_bytes_no_checkpoint,
             "activation_bytes_checkpoint": self.activation_bytes_checkpoint,
             "recompute_bytes": self.recompute_bytes,
+            "owner_bytes": list(self.owner_bytes),
+            "owner_peak_rank": self.owner_peak_rank,
             "peak_bytes": self.peak_bytes,
             "comms": [vars(c) | {} for c in self.comms],
             "units": [vars(u) | {} for u in self.units],
@@ -773,10 +797,15 @@ def plan(
     stepping = dict(optimizer=opt, opt_specs=opt_specs, accumulate=accumulate)
     stepping["accumulate_mode"] = accumulate_mode
 
+    exchanges: list[Any] = []  # the last counted step's (Muon's) exchanges of whole matrices
+
     def count(m: nn.Module) -> _run.Counts:
-        return _run.count_step(
-            m, sizes, run_batch, engine, (tp_plan, tp_axis), stepping, loss, source
-        )
+        with recording_exchanges() as book:
+            counts = _run.count_step(
+                m, sizes, run_batch, engine, (tp_plan, tp_axis), stepping, loss, source
+            )
+        exchanges[:] = book
+        return counts
 
     blocks = _run.repeated_blocks(
         model,
@@ -797,6 +826,7 @@ def plan(
             counts = _run.extrapolate(runs, n_blocks)
     if batch is None:  # tensor- and context-parallel traffic scale with the batch
         counts = {k: v for k, v in counts.items() if k[2] not in ("tp", "cp")}
+    owner_bytes = _owner_bytes(exchanges, math.prod(sizes.values()))
     comms = tuple(CommFigure(k, a, n, b, src) for (k, a, src), (n, b) in sorted(counts.items()))
 
     return PlanReport(
@@ -821,7 +851,18 @@ def plan(
         comms=comms,
         units=tuple(unit_figs),
         seconds=time.perf_counter() - start,
+        owner_bytes=owner_bytes,
     )
+
+
+def _owner_bytes(exchanges: Sequence[tuple[dict[str, int], list[Any]]], n: int) -> tuple[int, ...]:
+    """Per rank, the most bytes the step's exchanges of whole matrices hold at once (they run
+    one after another; each frees its buffers, and only the blocks it returns outlive it,
+    which the step's updates hold anyway: the largest exchange counts)."""
+    if not exchanges:
+        return ()
+    per = [exchange_memory(matrices, axes) for axes, matrices in exchanges]
+    return tuple(max(p[r] for p in per) for r in range(n))
 
 
 def _remember(memo: dict[Any, Any], key: Any, make: Callable[[], Any], *more: Any) -> Any:

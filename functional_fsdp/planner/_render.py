@@ -44,7 +44,7 @@ def parts(report: PlanReport) -> dict[str, int]:
     return {
         "params": report.param_bytes,
         "grads": report.grad_bytes,
-        "optimizer": report.opt_state_bytes,
+        "optimizer": report.opt_state_bytes + report.owner_peak_bytes,
         "gathered": report.gathered_peak_bytes,
         "activations": (report.activation_bytes or 0) + report.recompute_bytes,
     }
@@ -71,6 +71,12 @@ def report_table(report: PlanReport) -> Any:
         ("  of which padding", report.padding_bytes),
         ("gradients", report.grad_bytes),
         ("optimizer state", report.opt_state_bytes),
+    ]
+    if report.owner_bytes:
+        rows.append(
+            (f"  + whole matrices on rank {report.owner_peak_rank}", report.owner_peak_bytes)
+        )
+    rows += [
         (f"largest unit ({report.largest_unit or '<root>'})", report.largest_unit_bytes),
         ("gathered peak (prefetch)", report.gathered_peak_bytes),
         ("activations", report.activation_bytes),
