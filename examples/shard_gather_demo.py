@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig, lm_loss
+from functional_fsdp.models import GPT, GPTConfig
 
 
 def main() -> None:
@@ -51,11 +51,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 97, (2 * world, 16), generator=g)
     local = idx[rank * 2 : rank * 2 + 2].to(device)
+    global_count = idx[:, 1:].numel()  # every target of the global batch counts
+
+    def share(p):
+        # (sum, count) of this rank's share, the GPT fed local[:, :-1] (targets shifted). The
+        # gradients are averaged over "dp": this share's sum over the global count, times the
+        # ranks, has the gradient of the global batch's token mean.
+        loss = ff.causal_lm_loss(sharded_model.apply(p, local[:, :-1]), shift_labels=local[:, 1:])
+        return loss.sum * world / global_count
+
     with ff.count_comms() as comms:
-        grads, loss = torch.func.grad_and_value(
-            lambda p: lm_loss(sharded_model.apply(p, local[:, :-1]), local[:, 1:])
-        )(params)
-    mean_loss = ff.all_reduce(loss.detach(), mesh, "dp", op="mean")
+        grads, loss = torch.func.grad_and_value(share)(params)
+    mean_loss = ff.all_reduce(loss.detach(), mesh, "dp", op="mean")  # the global token mean
     if rank == 0:
         print(f"shard -> gather is exact: {exact}")
         print(

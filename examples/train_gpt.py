@@ -34,7 +34,7 @@ from chardata import add_device_arg, load_text, parse_mesh, random_batch
 from tqdm import tqdm
 
 import functional_fsdp as ff
-from functional_fsdp.models import GPT, GPTConfig, lm_loss
+from functional_fsdp.models import GPT, GPTConfig
 
 # zero1/zero2 are the ZeRO paper's (params replicated, optimizer state sharded, DDP's traffic);
 # shard_grad_op is FSDP's (params sharded, gathered once in forward and kept for backward).
@@ -110,7 +110,11 @@ def main() -> None:
         optimizer = ff.master_weights(optimizer, param_dtype=torch.bfloat16)
 
     def loss_fn(params, batch):
-        return lm_loss(sharded_model.apply(params, batch[:, :-1]), batch[:, 1:])
+        # The GPT sees batch[:, :-1], so its logits are already one shorter: the targets go in
+        # shifted (transformers' shift_labels=). A (sum, count): the step divides the global
+        # sum by the global count (docs/guides/fine-tuning-sft.md, "The label convention").
+        logits = sharded_model.apply(params, batch[:, :-1])
+        return ff.causal_lm_loss(logits, shift_labels=batch[:, 1:])
 
     step = ff.train_step(
         loss_fn,
