@@ -4,7 +4,9 @@ the global batch as the loss, a resumable sharded loader.
 
 1. Data: a JSON-lines file (``--data``; without it a small chat set is written) read and
    mapped by ``datasets``: chat ``messages``, prompt-completion pairs, or a TRL-prepared
-   dataset (``input_ids`` with ``labels``, ``assistant_masks`` or ``completion_mask``).
+   dataset (``input_ids`` with ``labels``, ``assistant_masks`` or ``completion_mask``), taken
+   as it is: its vocabulary is ``--tokenizer``'s (the tokenizer that prepared it) or, without
+   one, read from the data (the largest token id + 1 is the padding id).
    Conversations are formatted with the tokenizer's chat template and every assistant turn is
    labelled (TRL's ``assistant_only_loss=True``; ``--turns last``: the last one only). Labels
    are aligned with ``input_ids``, ``-100`` where not trained (Hugging Face's convention).
@@ -26,17 +28,20 @@ the global batch as the loss, a resumable sharded loader.
    the batches the uninterrupted run would and ends on its loss, bit for bit.
 5. ``--quantize nf4``: the QLoRA recipe of ``examples/finetune_lora.py`` on the same data.
 
-Nothing is downloaded: a tokenizer is trained on the data (with a chat template) and a small
-Llama built from a config stands in for a pretrained checkpoint.
+Nothing is downloaded: a tokenizer is trained on the data (with a chat template; or
+``--tokenizer`` names a saved one) and a small Llama built from a config, its vocabulary the
+tokenizer's, stands in for a pretrained checkpoint.
 
     torchrun --nproc-per-node 2 examples/finetune_sft.py
     torchrun --nproc-per-node 2 examples/finetune_sft.py --batching pack --resume
     torchrun --nproc-per-node 2 examples/finetune_sft.py --quantize nf4
+    torchrun --nproc-per-node 2 examples/finetune_sft.py --data trl_rows.jsonl --tokenizer tok/
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import tempfile
 import time
@@ -56,6 +61,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_arg(p)
     p.add_argument("--data", default=None, help="a local .jsonl of {'messages': [...]}, ...")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer saved with save_pretrained (the one that prepared a tokenized --data); "
+        "default: one trained on chat data, or, for tokenized data, none (vocabulary from the data)",
+    )
     p.add_argument("--examples", type=int, default=256, help="examples written without --data")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8, help="examples per rank and step")
@@ -75,26 +86,59 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str]:
-    """The data file and a folder holding the tokenizer and the tiny Llama (rank 0 writes)."""
+def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str, str | None]:
+    """The data file, a folder holding the tiny Llama, and the tokenizer's folder: ``--tokenizer``,
+    else one trained on chat data (in the model's folder), else None for tokenized (TRL-prepared)
+    data, whose vocabulary is then read from the data: its largest token id + 1, that last id
+    being the padding. The model's vocabulary is the tokenizer's, rounded up to a multiple of 8.
+    Rank 0 writes; call :func:`torch.distributed.barrier` before the other ranks read."""
     from transformers import AutoTokenizer
 
     data = args.data
     name = f"ff-sft-chat-{args.examples}-{args.seed}"
-    if data is not None:  # a tokenizer for this file
+    if data is not None:  # a model (and a tokenizer) for this file
         stat = os.stat(data)
-        name = f"ff-sft-chat-data-{stat.st_size}-{int(stat.st_mtime)}"
+        name = f"ff-sft-data-{stat.st_size}-{int(stat.st_mtime)}"
+    if args.tokenizer is not None:
+        name += "-" + hashlib.sha1(os.path.abspath(args.tokenizer).encode()).hexdigest()[:8]
     folder = os.path.join(tempfile.gettempdir(), name)
     if data is None:
         data = os.path.join(folder, "instructions.jsonl")
+    tokenized = args.data is not None and sft_data.is_tokenized(sft_data.load(data))
+    tokenizer = args.tokenizer
+    if tokenizer is None and not tokenized:
+        tokenizer = folder
+    if args.tokenizer is not None and tokenized:
+        size = len(AutoTokenizer.from_pretrained(tokenizer))
+        largest = sft_data.largest_token_id(sft_data.load(data))
+        if largest >= size:
+            raise ValueError(
+                f"--data {data} holds token id {largest}, but --tokenizer {tokenizer} has "
+                f"{size} tokens: pass the tokenizer that prepared the data, or none (the "
+                f"vocabulary is then read from the data)."
+            )
     if rank == 0 and not os.path.exists(os.path.join(folder, "config.json")):
         os.makedirs(folder, exist_ok=True)
         if args.data is None:
             sft_data.write_instructions(data, args.examples, args.seed)
-        sft_data.chat_tokenizer(sft_data.conversations_of(sft_data.load(data)), folder)
-        tiny_llama(folder, vocab_size=-(-len(AutoTokenizer.from_pretrained(folder)) // 8) * 8)
-    dist.barrier()
-    return data, folder
+        if tokenizer == folder:  # chat data and no tokenizer given: one trained on it
+            sft_data.chat_tokenizer(sft_data.conversations_of(sft_data.load(data)), folder)
+        if tokenizer is not None:
+            vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+        else:  # the ids the data uses, and one more for padding
+            vocab = sft_data.largest_token_id(sft_data.load(data)) + 2
+        tiny_llama(folder, vocab_size=-(-vocab // 8) * 8)
+    return data, folder, tokenizer
+
+
+def pad_id_of(tokenizer: Any, data: Any) -> int:
+    """The padding id: the tokenizer's (its end-of-sequence token where it has no padding
+    token, as TRL does), or, without a tokenizer, the id after the data's largest."""
+    if tokenizer is None:
+        return sft_data.largest_token_id(data) + 1
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id
 
 
 def main() -> None:
@@ -106,13 +150,15 @@ def main() -> None:
 
     # 1. Data: read and mapped by datasets (cached), every assistant turn labelled, cut to
     # --max-length, this rank's share, padded or packed.
-    data, path = prepare(args, rank)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    data, path, tokenizer_path = prepare(args, rank)
+    dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
     packing = args.batching == "pack"
-    examples = sft_data.prepare(
-        sft_data.load(data), tokenizer, args.max_length, turns=args.turns, packing=packing
-    )
-    pad_id = tokenizer.pad_token_id
+    raw = sft_data.load(data)
+    examples = sft_data.prepare(raw, tokenizer, args.max_length, turns=args.turns, packing=packing)
+    pad_id = pad_id_of(tokenizer, raw)
+    if rank == 0:
+        print(f"vocabulary {tokenizer_path or 'read from the data'}: padding id {pad_id}")
     if packing:
         options = dict(strategy=args.packing_strategy, mask=not args.padding_free)
         collate = lambda b: sft_data.pack(b, args.max_length, pad_id, args.accumulate, **options)  # noqa: E731

@@ -118,6 +118,28 @@ def load(path: str) -> Any:
     return load_dataset("json", data_files=path, split="train")
 
 
+def is_tokenized(dataset: Any) -> bool:
+    """Whether a dataset is tokenized already (TRL-prepared: it has ``input_ids``)."""
+    return "input_ids" in dataset.column_names
+
+
+def largest_token_id(dataset: Any) -> int:
+    """The largest token id in a tokenized dataset's ``input_ids`` (its vocabulary is at least
+    one more).
+
+    Example:
+        >>> from datasets import Dataset
+        >>> largest_token_id(Dataset.from_list([{"input_ids": [3, 9]}, {"input_ids": [4]}]))
+        9
+    """
+    largest = dataset.map(
+        lambda rows: {"largest": [max(ids, default=-1) for ids in rows["input_ids"]]},
+        batched=True,
+        remove_columns=dataset.column_names,
+    )
+    return max(largest["largest"], default=-1)
+
+
 def conversations_of(dataset: Any) -> list[list[dict[str, str]]]:
     """The conversations of a dataset of ``messages`` or of prompt-completion pairs."""
     if "messages" in dataset.column_names:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -179,14 +180,35 @@ def test_finetune_lora_qlora_on_local_jsonl_resumes_exactly(tmp_path):
     assert resumed and resumed.group(1) == first.group(2), out
 
 
-def test_finetune_sft_packed_qlora_resumes_exactly(tmp_path):
-    """SFT on chat data, packed, with the QLoRA recipe (--quantize nf4): the token mean as
-    the loss; a run resumed from a checkpoint (train state and loader position) ends on the
-    uninterrupted run's loss, bit for bit."""
+def _trl_tokenized_file(path: Path) -> int:
+    """The SFT tests' chat conversations as TRL's tokenization writes them (``input_ids`` and
+    ``assistant_masks``; ``tests/test_sft.py`` checks that these are TRL's labels), one JSON
+    line each; returns the largest token id."""
+    from . import _sft_workers as W
+
+    D, tok = W.sft_data(), W.tokenizer()
+    largest = 0
+    with open(path, "w") as f:
+        for c in W.conversations():
+            e = D.encode({"messages": c}, tok)
+            masks = [int(label != -100) for label in e["labels"]]
+            f.write(json.dumps({"input_ids": e["input_ids"], "assistant_masks": masks}) + "\n")
+            largest = max(largest, *e["input_ids"])
+    return largest
+
+
+def test_finetune_sft_packed_qlora_on_trl_tokenized_data_resumes_exactly(tmp_path):
+    """SFT on a TRL-tokenized file taken as it is (no tokenizer: the vocabulary and the
+    padding id read from the data), packed, with the QLoRA recipe (--quantize nf4): the token
+    mean as the loss; a run resumed from a checkpoint (train state and loader position) ends
+    on the uninterrupted run's loss, bit for bit."""
+    data = tmp_path / "tokenized.jsonl"
+    largest = _trl_tokenized_file(data)
     ckpt = str(tmp_path / "ckpt")
-    args = ["--steps", "3", "--save-every", "2", "--checkpoint-dir", ckpt, "--examples", "48"]
+    args = ["--steps", "3", "--save-every", "2", "--checkpoint-dir", ckpt, "--data", str(data)]
     args += ["--batching", "pack", "--quantize", "nf4", "--batch-size", "4"]
     out = _torchrun("examples/finetune_sft.py", *args)
+    assert f"vocabulary read from the data: padding id {largest + 1}" in out, out
     first = re.search(r"steps 0\.\.3: loss ([\d.]+) -> ([\d.]+); (\d+) answer tokens", out)
     assert first and int(first.group(3)) > 0, out
     assert re.search(r"padding [\d.]+% of rank 0's slots \(pack\)", out), out

@@ -267,6 +267,51 @@ def test_rows_packed_by_trl_are_kept_whole(trl, documents: str, mask: bool) -> N
         torch.testing.assert_close(g, ref["grads"][name], rtol=1e-5, atol=1e-6)
 
 
+def test_the_sft_example_takes_a_trl_tokenized_file_as_it_is(trl_rows, tmp_path, monkeypatch):
+    """``examples/finetune_sft.py --data`` with rows TRL tokenized (``input_ids`` and
+    ``assistant_masks``): nothing is re-tokenized and TRL's labels come out; the model's
+    vocabulary is ``--tokenizer``'s, or without one read from the data (its largest id + 1 is
+    the padding id); a tokenizer smaller than the data's ids is refused. (The example trains on
+    such a file under torchrun in ``tests/test_examples.py``.)"""
+    import argparse
+    import importlib.util
+    import json
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    monkeypatch.syspath_prepend(str(W.EXAMPLES))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the example's model folders
+    spec = importlib.util.spec_from_file_location("_finetune_sft", W.EXAMPLES / "finetune_sft.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    ref = trl_rows["assistant_masks"]
+    path = tmp_path / "trl.jsonl"
+    ref["rows"].select_columns(["input_ids", "assistant_masks"]).to_json(str(path))
+    largest = max(max(ids) for ids in ref["rows"]["input_ids"])
+    tok = W.tokenizer()
+    tok.save_pretrained(str(tmp_path / "tok"))
+
+    args = argparse.Namespace(data=str(path), tokenizer=None, examples=0, seed=0)
+    data, folder, tokenizer = example.prepare(args, 0)
+    assert tokenizer is None
+    assert AutoConfig.from_pretrained(folder).vocab_size == -(-(largest + 2) // 8) * 8
+    assert example.pad_id_of(None, D.load(data)) == largest + 1
+    examples = list(D.prepare(D.load(data), None, W.MAX_LENGTH))
+    assert [e["labels"] for e in examples] == ref["data"]["labels"]
+
+    args.tokenizer = str(tmp_path / "tok")  # the tokenizer that prepared the data
+    _, folder, tokenizer = example.prepare(args, 0)
+    assert tokenizer == args.tokenizer
+    assert AutoConfig.from_pretrained(folder).vocab_size == W.vocab_size(tok)
+    assert example.pad_id_of(AutoTokenizer.from_pretrained(tokenizer), None) == tok.pad_token_id
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, len(tok)], "assistant_masks": [0, 1]}) + "\n")
+    args.data = str(bad)
+    with pytest.raises(ValueError, match=rf"holds token id {len(tok)}, but --tokenizer .* has"):
+        example.prepare(args, 0)
+
+
 def test_packed_rows_are_refused_where_they_would_leak() -> None:
     rows = [D.prepared({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "seq_lengths": [2, 1]})]
     with pytest.raises(ValueError, match=r"pad: the examples are rows that are already packed"):
