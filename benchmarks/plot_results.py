@@ -343,17 +343,96 @@ def quantized_gather(data: dict[str, Any]) -> str:
     return "\n\n".join([image, _sources(data), table])
 
 
-def plot_quantized_gather(data: dict[str, Any], plt: Any) -> Any:
-    f = data["runs"][-1]["figures"]
+def _loss_curves(curves: dict[str, tuple[list[int], list[float]]], plt: Any) -> Any:
+    """Training loss against step, one line per run."""
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    for name, v in f.items():
-        ax.plot(
-            [10 * i for i in range(len(v["losses_every_10"]))], v["losses_every_10"], label=name
-        )
+    for name, (steps, losses) in curves.items():
+        ax.plot(steps, losses, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend(fontsize=8)
     return fig
+
+
+def plot_quantized_gather(data: dict[str, Any], plt: Any) -> Any:
+    f = data["runs"][-1]["figures"]
+    return _loss_curves(
+        {
+            name: ([10 * i for i in range(len(v["losses_every_10"]))], v["losses_every_10"])
+            for name, v in f.items()
+        },
+        plt,
+    )
+
+
+MUON_NAMES = {
+    "adamw": "AdamW",
+    "muon": "Muon (owners)",
+    "muon_everywhere": "Muon, gathered everywhere",
+}
+
+
+def muon_step(data: dict[str, Any]) -> str:
+    rows = []
+    for run in data["runs"]:
+        f = run["figures"]
+        base, update = f["adamw"]["step_ms"], f["muon"]["update_ms"]
+        for name, v in f.items():
+            moved = v["update_all_to_all_bytes"] + v["update_all_gather_bytes"]
+            rows.append(
+                [
+                    run["key"],
+                    MUON_NAMES[name],
+                    f"{v['step_ms']:.0f} ({v['step_ms'] / base:.2f})",
+                    f"{v['update_ms']:.1f} ({v['update_ms'] / update:.2f})",
+                    f"{moved:,}",
+                ]
+            )
+    header = ["size", "optimizer", "step ms (/ AdamW)", "update ms (/ Muon)", "update bytes"]
+    table = _table(header, rows, ":--|:--|--:|--:|--:")
+    image = _image("muon_step", "step and update time of AdamW, Muon and the workaround")
+    return "\n\n".join([image, _sources(data), table])
+
+
+def plot_muon_step(data: dict[str, Any], plt: Any) -> Any:
+    runs = data["runs"]
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.2))
+    names = list(runs[0]["figures"])
+    width = 0.8 / len(names)
+    for ax, part, label in zip(axes, ("step_ms", "update_ms"), ("train step", "optimizer update")):
+        for i, name in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(runs))]
+            ax.bar(xs, [r["figures"][name][part] for r in runs], width, label=MUON_NAMES[name])
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels([r["key"] for r in runs])
+        ax.set_ylabel(f"{label}, ms (median)")
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def muon_loss(data: dict[str, Any]) -> str:
+    f = data["runs"][-1]["figures"]
+    rows = [
+        [
+            MUON_NAMES[name],
+            f"{v['final_loss']:.4f} ({v['final_loss_ratio']:.4f})",
+            f"{v['step_s']:.3f}",
+        ]
+        for name, v in f.items()
+    ]
+    table = _table(["optimizer", "loss, last 20 steps (/ AdamW)", "step s"], rows, ":--|--:|--:")
+    image = _image("muon_loss", "loss curves of the example GPT with AdamW and with Muon")
+    return "\n\n".join([image, _sources(data), table])
+
+
+def plot_muon_loss(data: dict[str, Any], plt: Any) -> Any:
+    run = data["runs"][-1]
+    last = int(run["key"].split("=")[1]) - 1  # the last step's loss ends each curve
+    curves = {}
+    for name, v in run["figures"].items():
+        losses = v["losses_every_10"]
+        curves[MUON_NAMES[name]] = ([*(10 * i for i in range(len(losses) - 1)), last], losses)
+    return _loss_curves(curves, plt)
 
 
 PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -366,6 +445,8 @@ PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "checkpoint_cost": checkpoint_cost,
     "cp_scaling": cp_scaling,
     "quantized_gather": quantized_gather,
+    "muon_step": muon_step,
+    "muon_loss": muon_loss,
 }
 PLOTS: dict[str, Callable[[Any], Any]] = {
     "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
@@ -374,6 +455,8 @@ PLOTS: dict[str, Callable[[Any], Any]] = {
     "qlora_memory": lambda plt: plot_phases(load("qlora_memory"), plt, skip=("step seconds",)),
     "cp_scaling": lambda plt: plot_cp_scaling(load("cp_scaling"), plt),
     "quantized_gather": lambda plt: plot_quantized_gather(load("quantized_gather"), plt),
+    "muon_step": lambda plt: plot_muon_step(load("muon_step"), plt),
+    "muon_loss": lambda plt: plot_muon_loss(load("muon_loss"), plt),
 }
 
 
