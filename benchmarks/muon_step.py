@@ -2,10 +2,12 @@
 against the usual workaround (every matrix all-gathered and orthogonalized on every rank), on
 4 gloo ranks with FSDP, at two GPT sizes.
 
-``python benchmarks/muon_step.py [--steps 5]``: for each size and optimizer, the median time
-of a warm ``train_step`` and of the optimizer's ``update`` alone (on the step's sharded
+``python benchmarks/muon_step.py [--steps 5] [--sizes n_embd=256] [--batches 8,32]``: for
+each size, batch (sequences of 32 tokens per step, 8 by default) and optimizer, the median
+time of a warm ``train_step`` and of the optimizer's ``update`` alone (on the step's sharded
 gradients), and the all-to-all and all-gather bytes per rank the update sends. Writes
-``benchmarks/results/muon_step.json``. CPU timings on a shared machine are noisy, and 4 ranks
+``benchmarks/results/muon_step.json``, one run per size (``"n_embd=256"``), or per size and
+batch where ``--batches`` is given (``"n_embd=256, batch=32"``). CPU timings on a shared machine are noisy, and 4 ranks
 on fewer than 4 cores cannot run the owners' work in parallel: read the update times as an
 upper bound of what the balance buys.
 """
@@ -37,7 +39,7 @@ def _optimizer(name: str) -> ff.GradientTransformation:
     return ff.contrib.muon(2e-2, muon_weight_dimension_numbers=matrices)
 
 
-def worker(size: str, steps: int) -> dict[str, Any]:
+def worker(size: str, steps: int, rows: int = 8) -> dict[str, Any]:
     from functional_fsdp.optim import muon as M
 
     mesh = ff.make_mesh({"dp": torch.distributed.get_world_size()})
@@ -55,7 +57,8 @@ def worker(size: str, steps: int) -> dict[str, Any]:
                 lambda p, b, f=f: lm_loss(f.apply(p, b[:, :-1]), b[:, 1:]), opt, model=f
             )
             state = ff.TrainState.create(f.shard(), opt)
-            batch = torch.randint(0, 1024, (8, 33), generator=torch.Generator().manual_seed(1))
+            gen = torch.Generator().manual_seed(1)
+            batch = torch.randint(0, 1024, (rows, 33), generator=gen)
             state, _ = step(state, batch)  # warm-up
             step_s = []
             for _ in range(steps):
@@ -82,29 +85,37 @@ def worker(size: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def main(steps: int) -> None:
+def main(steps: int, sizes: list[str], batches: list[int] | None) -> None:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
     from _results import record
 
     pool = ff.ProcessPool(4, device_type="cpu")
     try:
-        for size in SIZES:
-            figures = pool.run(worker, size, steps)
-            worst = {
-                name: {k: max(r[name][k] for r in figures) for k in figures[0][name]}
-                for name in figures[0]
-            }
-            print(size, worst)
-            record(
-                "muon_step",
-                size,
-                worst,
-                description=__doc__.split("\n\n")[0].replace("\n", " "),
-                nproc=4,
-            )
+        for size in sizes:
+            for rows in batches or [8]:
+                figures = pool.run(worker, size, steps, rows)
+                worst = {
+                    name: {k: max(r[name][k] for r in figures) for k in figures[0][name]}
+                    for name in figures[0]
+                }
+                key = size if batches is None else f"{size}, batch={rows}"
+                print(key, worst)
+                record(
+                    "muon_step",
+                    key,
+                    worst,
+                    description=__doc__.split("\n\n")[0].replace("\n", " "),
+                )
     finally:
         pool.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 5)
+    argv = sys.argv
+    main(
+        int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 5,
+        argv[argv.index("--sizes") + 1].split(",") if "--sizes" in argv else list(SIZES),
+        [int(b) for b in argv[argv.index("--batches") + 1].split(",")]
+        if "--batches" in argv
+        else None,
+    )
