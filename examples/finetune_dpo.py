@@ -6,10 +6,13 @@ policy and a frozen reference on the same mesh, TRL's sigmoid loss, a resumable 
    written), read by ``datasets`` and tokenized as ``DPOTrainer`` tokenizes it; each data rank
    reads its own share of every epoch (a stateful, sharded loader).
 2. The models: with LoRA (the default) the policy is the base with adapters and the reference
-   is the same base with the adapters disabled (``peft_model.disable_adapter()``), as TRL does
+   is the same base with the adapters disabled (``sm.module.disable_adapter()``), as TRL does
    it: no second copy. With ``--full`` every weight is trained and the reference is a second
    copy of the checkpoint, frozen and sharded on the same mesh: gathered one unit at a time in
-   its forward, without gradients or optimizer state.
+   its forward, without gradients or optimizer state. ``--quantize nf4`` (or ``fp4``) makes the
+   reference 4-bit: with LoRA the base is quantized (QLoRA, as ``examples/finetune_sft.py``),
+   so the adapters-disabled reference is the 4-bit base; with ``--full`` the frozen copy alone
+   is quantized, the trained weights staying in full precision.
 3. The loss: ``ff.sequence_logps`` of chosen and rejected under both models, then
    ``ff.dpo_loss`` (TRL's ``beta``; ``--loss-type robust`` with ``--label-smoothing``), with
    TRL's reward metrics as auxiliary outputs, each the mean over the global batch.
@@ -20,6 +23,7 @@ Nothing is downloaded: a tokenizer is trained on the data and a small Llama buil
 config stands in for the model after supervised fine-tuning.
 
     torchrun --nproc-per-node 2 examples/finetune_dpo.py
+    torchrun --nproc-per-node 2 examples/finetune_dpo.py --quantize nf4       # 4-bit base
     torchrun --nproc-per-node 2 examples/finetune_dpo.py --full --resume
 """
 
@@ -36,7 +40,7 @@ import sft_data
 import torch
 import torch.distributed as dist
 from chardata import add_device_arg
-from finetune_lora import lora_init, tiny_llama
+from finetune_lora import bnb_config, lora_init, tiny_llama
 from tqdm import tqdm
 
 import functional_fsdp as ff
@@ -57,6 +61,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--full", action="store_true", help="train every weight (a frozen copy)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "nf4", "fp4"),
+        default="none",
+        help="a 4-bit reference: the base under LoRA (QLoRA), the frozen copy with --full",
+    )
     p.add_argument("--checkpoint-dir", default="checkpoints/finetune_dpo")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -89,6 +99,16 @@ def prepare(args: argparse.Namespace, rank: int) -> tuple[str, str]:
     return data, folder
 
 
+def quantize(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """``model``'s linear layers (not ``lm_head``) as bitsandbytes' 4-bit ones, the QLoRA
+    recipe's (``examples/finetune_lora.py``); the weights are quantized as they are loaded."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    return replace_with_bnb_linear(
+        model, modules_to_not_convert=["lm_head"], quantization_config=bnb_config(args)
+    )
+
+
 def main() -> None:
     args = parse_args()
     device = ff.init_distributed(device_type=args.device)
@@ -116,6 +136,7 @@ def main() -> None:
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
     torch.manual_seed(args.seed)
+    quantized = args.quantize != "none"
     if args.full:
         model = base
         sm = ff.fsdp(model, mesh)
@@ -123,6 +144,8 @@ def main() -> None:
         params.update(ff.checkpoint.load_safetensors(sm, path))
         with torch.device("meta"):
             reference = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+        if quantized:  # a 4-bit frozen copy: each rank quantizes its own blocks as it loads
+            reference = quantize(reference, args)
         ref = ff.fsdp(reference, mesh)  # frozen: no gradient, no optimizer state
         ref_params, ref_buffers = ff.init_sharded(ref)
         ref_params.update(ff.checkpoint.load_safetensors(ref, path))
@@ -130,9 +153,15 @@ def main() -> None:
         def reference_logits(p: dict, ids: torch.Tensor) -> torch.Tensor:
             return ref.apply(ref_params, input_ids=ids, buffers=ref_buffers).logits
     else:
+        if quantized:  # QLoRA: the 4-bit base is the reference, its adapters disabled
+            from peft import prepare_model_for_kbit_training
+
+            base = quantize(base, args)
+            base.gradient_checkpointing_enable()
+            base = prepare_model_for_kbit_training(base)
         lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear")
         model = get_peft_model(base, lora)
-        sm = ff.fsdp(model, mesh)
+        sm = ff.fsdp(model, mesh, policy=ff.Policy(activation_checkpointing=not quantized))
         params, buffers = ff.init_sharded(sm, init_fn=lora_init)
         to_file = lambda n: n.removeprefix("base_model.model.").replace(".base_layer", "")  # noqa: E731
         frozen = set(params) - sm.trainable
@@ -140,8 +169,11 @@ def main() -> None:
 
         def reference_logits(p: dict, ids: torch.Tensor) -> torch.Tensor:
             # The base without the adapters (TRL's reference for a peft model): the policy's
-            # own frozen weights, gathered as they are for the policy.
-            with model.disable_adapter():
+            # own frozen weights, gathered as they are for the policy. The adapters are
+            # disabled on sm.module, the module ff.fsdp runs: with a 4-bit base that is a
+            # storage view whose LoRA layers are copies, which model.disable_adapter() on the
+            # original peft model does not reach.
+            with sm.module.disable_adapter():
                 return sm.apply(p, input_ids=ids, buffers=buffers).logits
 
     optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(args.lr, weight_decay=0.0))
@@ -198,7 +230,8 @@ def main() -> None:
         print(
             f"steps {first}..{state.step}: loss {losses[0]!r} -> {losses[-1]!r}; reward "
             f"accuracy {accuracy:.2f}; {time.perf_counter() - start:.1f}s "
-            f"({'full' if args.full else 'LoRA'})"
+            f"({'full' if args.full else 'LoRA'}"
+            f"{', 4-bit reference' if quantized else ''})"
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -168,3 +168,75 @@ def gloo_lora_reference() -> dict[str, Any]:
         "one_process": total / count,
         "frozen_state": sum(1 for n in params if n not in sm.trainable),
     }
+
+
+def save_base(path: str) -> str:
+    """The tiny Llama of :func:`one_process`'s vocabulary (seed 0), saved in fp32 with
+    ``save_pretrained`` (in one process), to be loaded back 4-bit."""
+    llama(data()[1]).save_pretrained(path)
+    return path
+
+
+def qlora_and_copy(path: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """LoRA (random A and B) over the base at ``path`` loaded 4-bit (nf4, double quantization,
+    bf16 compute: the QLoRA recipe), and a separately quantized frozen copy of that base."""
+    from . import _qlora_workers as Q
+
+    return Q.with_lora(Q.quantized(path)), Q.quantized(path).requires_grad_(False)
+
+
+def qlora_reference_one_process(path: str) -> dict[str, Any]:
+    """On one process, no sharding: the DPO loss with the adapters-disabled 4-bit base as the
+    reference, and with a separately quantized frozen copy."""
+    batch, _ = data()
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    peft, copy = qlora_and_copy(path)
+
+    def disabled(x: torch.Tensor) -> torch.Tensor:
+        with peft.disable_adapter():
+            return peft(input_ids=x).logits
+
+    with torch.no_grad():
+        policy = lambda p, x: peft(input_ids=x).logits  # noqa: E731
+        (total, count), _ = dpo_loss_fn(policy, disabled)(None, batch)
+        (copy_total, copy_count), _ = dpo_loss_fn(policy, lambda x: copy(input_ids=x).logits)(
+            None, batch
+        )
+        return {
+            "bitwise": torch.equal(disabled(ids), copy(input_ids=ids).logits),
+            "adapters_matter": not torch.equal(peft(input_ids=ids).logits, disabled(ids)),
+            "loss": total / count,
+            "copy_loss": copy_total / copy_count,
+        }
+
+
+def gloo_qlora_reference(path: str) -> dict[str, Any]:
+    """QLoRA DPO on 2 ranks: the reference is the 4-bit base with the adapters disabled on
+    the module ``ff.fsdp`` runs (``sm.module``, a storage view of the 4-bit layers); against a
+    separately quantized frozen copy sharded on the same mesh (bitwise), and the step's loss."""
+    import torch.distributed as dist
+
+    batch, _ = data()
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+    peft, copy = qlora_and_copy(path)
+    mesh = ff.make_mesh({"dp": dist.get_world_size()})
+    sm, copy_sm = ff.fsdp(peft, mesh), ff.fsdp(copy, mesh)
+    params, copy_params = sm.shard(), copy_sm.shard()
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        with sm.module.disable_adapter():
+            return sm.apply(params, input_ids=x).logits
+
+    with torch.no_grad():
+        disabled = reference(ids)
+        separate = copy_sm.apply(copy_params, input_ids=ids).logits
+        enabled = sm.apply(params, input_ids=ids).logits
+    loss_fn = dpo_loss_fn(lambda p, x: sm.apply(p, input_ids=x).logits, reference)
+    opt = ff.sgd(1.0)
+    step = ff.train_step(loss_fn, opt, model=sm, has_aux=True)
+    _, metrics = step(ff.TrainState.create(params, opt, trainable=sm), batch)
+    return {
+        "bitwise": torch.equal(disabled, separate),
+        "adapters_matter": not torch.equal(enabled, separate),
+        "loss": metrics["loss"],
+    }

@@ -104,6 +104,19 @@ def test_lora_reference_is_the_base_with_adapters_disabled(pools) -> None:
     torch.testing.assert_close(got["loss"], got["one_process"], rtol=1e-6, atol=1e-6)
 
 
+def test_qlora_reference_is_the_4bit_base_with_adapters_disabled(pools, tmp_path) -> None:
+    """A 4-bit (nf4) base under LoRA, as TRL's QLoRA DPO: the reference is the base with the
+    adapters disabled, bitwise a separately quantized frozen copy, in one process and sharded
+    on 2 gloo ranks (there disabled on ``sm.module``); the step's loss is one process's."""
+    path = W.save_base(str(tmp_path / "base"))
+    one = W.qlora_reference_one_process(path)
+    assert one["bitwise"] and one["adapters_matter"]
+    assert torch.equal(one["loss"], one["copy_loss"])
+    got = pools.run(2, W.gloo_qlora_reference, path)[0]
+    assert got["bitwise"] and got["adapters_matter"]
+    torch.testing.assert_close(got["loss"], one["loss"], rtol=1e-5, atol=1e-6)
+
+
 def test_robust_loss_and_refusals() -> None:
     c, r = torch.tensor([-5.0, -6.0]), torch.tensor([-7.0, -6.5])
     rc, rr = torch.tensor([-5.5, -6.0]), torch.tensor([-6.0, -6.0])

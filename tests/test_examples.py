@@ -222,7 +222,8 @@ def test_finetune_sft_packed_qlora_on_trl_tokenized_data_resumes_exactly(tmp_pat
 def test_finetune_dpo_full_with_a_sharded_reference_resumes_exactly(tmp_path):
     """DPO with every weight trained and a frozen reference sharded on the same mesh: the
     first loss is log 2 (the policy starts as the reference), and a run resumed from a
-    checkpoint (train state and loader position) ends on the uninterrupted run's loss."""
+    checkpoint (train state and loader position) ends on the uninterrupted run's loss. Then
+    LoRA over a 4-bit base (--quantize nf4), whose reference is the base without adapters."""
     ckpt = str(tmp_path / "ckpt")
     args = ["--full", "--steps", "3", "--save-every", "2", "--checkpoint-dir", ckpt]
     args += ["--pairs", "16", "--batch-size", "2"]
@@ -234,6 +235,14 @@ def test_finetune_dpo_full_with_a_sharded_reference_resumes_exactly(tmp_path):
     assert "resumed at step 2" in out, out
     resumed = re.search(r"steps 2\.\.3: loss [\d.]+ -> ([\d.]+)", out)
     assert resumed and resumed.group(1) == first.group(2), out
+    # LoRA over a 4-bit base: the reference is that base with the adapters disabled, so the
+    # loss starts at log 2 and leaves it as the adapters train (it stayed at log 2 when the
+    # disabled adapters did not reach the 4-bit storage view: the reference was the policy).
+    args = ["--quantize", "nf4", "--steps", "3", "--checkpoint-dir", str(tmp_path / "q")]
+    out = _torchrun("examples/finetune_dpo.py", *args, "--pairs", "16", "--batch-size", "2")
+    qlora = re.search(r"steps 0\.\.3: loss ([\d.]+) -> ([\d.]+);.*\(LoRA, 4-bit reference\)", out)
+    assert qlora and abs(float(qlora.group(1)) - 0.693147) < 1e-5, out
+    assert float(qlora.group(2)) < 0.69, out
 
 
 def test_train_long_context_equals_one_process_and_trains():
