@@ -26,12 +26,11 @@ def data() -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
 
 
-def _sharded(m: torch.nn.Module, mesh: Any, option: Any, checkpointing: bool) -> Any:
-    policy = ff.Policy(gather_quantization=option, activation_checkpointing=checkpointing)
+def _sharded(m: torch.nn.Module, mesh: Any, policy: ff.Policy, specs: Any) -> Any:
     if "tp" in ff.axis_sizes(mesh):
         tp = ff.tensor_parallel(m, mesh, gpt_plan(CFG, loss_parallel=False))
         return ff.fsdp(m, mesh, specs=tp.specs, wrappers=tp.wrappers, policy=policy)
-    return ff.fsdp(m, mesh, policy=policy)
+    return ff.fsdp(m, mesh, policy=policy, specs=specs)
 
 
 def step(
@@ -42,16 +41,21 @@ def step(
     quantized: bool = True,
     checkpointing: bool = False,
     option: Any = None,
+    policy: ff.Policy | None = None,
+    specs: Any = None,
 ) -> dict[str, Any]:
     """One SGD(1) step: the loss, the gradients (the parameters' change), the all-gather
-    and all-reduce bytes this rank sent, the weights, and the emulated weights (each rank's
-    shard through quantize_blockwise / dequantize_blockwise, gathered).
+    and all-reduce bytes this rank sent (and the bytes per collective and axis), the
+    weights, and the emulated weights (each rank's shard through quantize_blockwise /
+    dequantize_blockwise, gathered).
 
     ``option``: the policy's ``gather_quantization`` (default: ``QuantizedGather(BLOCK)``
-    when ``quantized``, else exact gathers)."""
+    when ``quantized``, else exact gathers); ``policy`` replaces the whole policy."""
     if option is None and quantized:
         option = ff.QuantizedGather(block_size=BLOCK)
-    sharded = _sharded(m, mesh, option, checkpointing)
+    if policy is None:
+        policy = ff.Policy(gather_quantization=option, activation_checkpointing=checkpointing)
+    sharded = _sharded(m, mesh, policy, specs)
     params = sharded.shard()
     opt = ff.sgd(1.0)
     train = ff.train_step(
@@ -72,6 +76,8 @@ def step(
         "all_gather_bytes": comms.bytes("all_gather"),
         "dp_gather_bytes": comms.bytes("all_gather", axis="dp"),  # the weights' (not tp's)
         "all_reduce_bytes": comms.bytes("all_reduce"),
+        "bytes": {(r.kind, r.axis): comms.bytes(r.kind, r.axis) for r in comms.records},
+        "counts": {(r.kind, r.axis): comms.count(r.kind, r.axis) for r in comms.records},
     }
 
 

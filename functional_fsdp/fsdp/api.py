@@ -526,7 +526,9 @@ def fsdp(
         data_axes=tuple(data_axes),
         units=tuple(find_units(module, units)),
         policy=policy or Policy(),
-        specs=specs if specs is not None else default_specs(mesh, data_axes),
+        specs=specs
+        if specs is not None
+        else default_specs(mesh, data_axes, (policy or Policy()).secondary_axis),
         wrappers=_check_wrappers(module, wrappers),
         trainable_override=trainable,
         sequence_axis=seq_axis,

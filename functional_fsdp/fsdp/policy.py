@@ -79,7 +79,11 @@ class Policy:
             them again in backward (ZeRO-3, the default); ``False`` keeps them until backward
             (FSDP's SHARD_GRAD_OP, often called ZeRO-2; the ZeRO paper's ZeRO-2 keeps
             parameters replicated, see ``TrainState.create(opt_specs=...)``), one all-gather
-            per unit instead of two.
+            per unit instead of two. A data axis name (``"gpu"`` on a ``{"node": n, "gpu":
+            g}`` mesh) keeps a secondary shard after the forward, each parameter sharded
+            over that axis only, so the backward gathers within it (ZeRO++'s hpZ, FSDP2's
+            ``reshard_after_forward=g``); a dim split over that axis must have it major
+            (the default specs do).
         prefetch: how many next units' all-gathers are issued ahead, in forward and backward.
         mixed_precision: see :class:`MixedPrecision`.
         activation_checkpointing: recompute each unit's activations in backward instead of
@@ -110,7 +114,7 @@ class Policy:
         Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False, gather_quantization=None)
     """
 
-    reshard_after_forward: bool
+    reshard_after_forward: bool | str
     prefetch: int
     mixed_precision: MixedPrecision
     activation_checkpointing: bool | Callable[[str], bool]
@@ -121,7 +125,7 @@ class Policy:
     def __init__(
         self,
         *,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | str = True,
         prefetch: int = 1,
         mixed_precision: MixedPrecision = MixedPrecision(),
         activation_checkpointing: bool | Callable[[str], bool] = False,
@@ -156,6 +160,12 @@ class Policy:
         self.__post_init__()
 
     @property
+    def secondary_axis(self) -> str | None:
+        """The axis named by ``reshard_after_forward`` (hpZ), else ``None``."""
+        k = self.reshard_after_forward
+        return k if isinstance(k, str) else None
+
+    @property
     def checkpoint(self) -> bool | Callable[[str], bool]:
         """The old name of :attr:`activation_checkpointing` (read-only)."""
         return self.activation_checkpointing
@@ -165,6 +175,13 @@ class Policy:
             raise ValueError(
                 f"Policy(grad_reduce={self.grad_reduce!r}): use 'mean' (FSDP/DDP), 'sum' or "
                 f"'none' (no reduction over the data axes)."
+            )
+        k = self.reshard_after_forward
+        if not isinstance(k, (bool, str)) or k == "":
+            raise TypeError(
+                f"Policy(reshard_after_forward={k!r}): True (ZeRO-3), False (SHARD_GRAD_OP), "
+                f"or the name of a data axis within a node, e.g. 'gpu' (hpZ: the backward "
+                f"gathers over that axis only)."
             )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Policy(prefetch={self.prefetch!r}): use an int >= 0.")
@@ -377,9 +394,14 @@ def _close_paths(pattern: str, paths: list[str]) -> str:
     return f" (close: {close})" if close else ""
 
 
-def default_specs(mesh: DeviceMesh, data_axes: Sequence[str]) -> Callable[[str, torch.Tensor], P]:
-    """Shard dim 0 over the data axes that shard (all but ``"replicate"``); scalars replicate."""
+def default_specs(
+    mesh: DeviceMesh, data_axes: Sequence[str], major: str | None = None
+) -> Callable[[str, torch.Tensor], P]:
+    """Shard dim 0 over the data axes that shard (all but ``"replicate"``), ``major`` first
+    (hpZ's axis, gathered last); scalars replicate."""
     shard_axes = tuple(a for a in data_axes if a != "replicate")
+    if major in shard_axes:
+        shard_axes = (major, *(a for a in shard_axes if a != major))
 
     def rule(path: str, t: torch.Tensor) -> P:
         return P(shard_axes) if t.ndim >= 1 and shard_axes else P()

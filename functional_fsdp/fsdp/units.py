@@ -145,6 +145,13 @@ class Unit:
         # Float8Gather: per parameter, the float32 scale of its float8 cast (None: sent as
         # it is), set once per call (:func:`_float8_scales`); the backward's gather reuses it.
         self.scales: list[torch.Tensor | None] = [None] * len(shards)
+        # hpZ: the parameters the backward gathers again (over the kept axis); None: all.
+        keep = ctx.policy.secondary_axis
+        self.regathered: set[int] | None = None
+        if keep is not None:
+            self.regathered = {
+                p.index for rnd in layout.rounds if rnd.axis == keep for p in rnd.pieces
+            }
 
     def note(self, kind: EventKind, phase: Phase, key: int, replaces: int | None = None) -> None:
         for tracker in self.ctx.trackers:
@@ -223,15 +230,25 @@ class Unit:
         return out
 
     def gather(
-        self, shards: Sequence[torch.Tensor], into: Sequence[torch.Tensor | None] | None = None
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """All gather rounds on plain tensors: ``(padded full tensors, parameters)``.
+        self,
+        shards: Sequence[torch.Tensor],
+        into: Sequence[torch.Tensor | None] | None = None,
+        *,
+        secondary: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
+        """All gather rounds on plain tensors: ``(padded full tensors, parameters, secondary)``.
 
         The parameters are the padded full tensors with the padding cut off (views), or
         the shards themselves where nothing is gathered. ``into`` gives the padded full
         tensors to write (the regather in backward); otherwise they are allocated.
+
+        ``secondary`` (hpZ, ``Policy(reshard_after_forward=axis)``): each parameter as it
+        was before its gather over that axis, which the forward's gather returns and the
+        backward's regather starts from, gathering over that axis only.
         """
-        layout = self.layout
+        keep = self.ctx.policy.secondary_axis
+        if secondary is not None:  # hpZ's backward: over the kept axis only
+            return self._gather_rounds(list(secondary), list(secondary), into, only=keep)
         rest = [self.ctx.to_device(s) for s in shards]
         current = [
             s if s.dtype == self.gather_dtype(s) else s.to(self.gather_dtype(s)) for s in rest
@@ -241,11 +258,32 @@ class Unit:
             for i, rep in enumerate(self.replicas):
                 if rep is not None:
                     current[i] = rep if rep.dtype == current[i].dtype else rep.to(current[i].dtype)
-            return full, current
+            return full, current, []
+        return self._gather_rounds(rest, current, into, keep=keep)
+
+    def _gather_rounds(
+        self,
+        rest: list[torch.Tensor],
+        current: list[torch.Tensor],
+        into: Sequence[torch.Tensor | None] | None,
+        *,
+        keep: str | None = None,
+        only: str | None = None,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], list[torch.Tensor]]:
+        """Run the rounds (those over axis ``only``, if given) from ``current`` (``rest``:
+        the shards at rest, which a float8 cast reads). With ``keep``, the third result is
+        each parameter as it was before its round over ``keep`` (or gathered whole)."""
+        layout = self.layout
+        full: list[torch.Tensor | None] = [None] * len(current)
+        kept: dict[int, torch.Tensor] = {}
         for r, rnd in enumerate(layout.rounds):
-            pending = self.prefetched.pop(r, None)
+            if only is not None and rnd.axis != only:
+                continue
+            pending = self.prefetched.pop(r, None) if only is None else None
+            src = rest if isinstance(self._quantized(r), Float8Gather) else current
+            if rnd.axis == keep:
+                kept.update((p.index, src[p.index]) for p in rnd.pieces)
             if pending is None:
-                src = rest if isinstance(self._quantized(r), Float8Gather) else current
                 pending = self._issue(r, [src[p.index] for p in rnd.pieces])
             gathered = self._received(r, C.wait(pending))  # [n, the pieces' local numels]
             n = rnd.size
@@ -264,8 +302,10 @@ class Unit:
                 full[p.index] = out
                 padded = out.shape[p.dim] != p.gathered_len
                 current[p.index] = out.narrow(p.dim, 0, p.gathered_len) if padded else out
-        self.prefetched.clear()
-        return full, current
+        if only is None:
+            self.prefetched.clear()
+        secondary = [kept.get(i, c) for i, c in enumerate(current)] if keep is not None else []
+        return full, current, secondary
 
     def reduce(
         self, grads: list[torch.Tensor | None], dtypes: Sequence[torch.dtype]
@@ -434,6 +474,9 @@ class Call:
         # The gradients of the shards, reduced before the gather's backward ran (by the
         # call's own backward: see reduce), which then hands them on.
         self.reduced: list[torch.Tensor | None] | None = None
+        # hpZ (Policy(reshard_after_forward=axis)): each parameter before its gather over
+        # that axis, kept from the forward to the backward (the secondary shard).
+        self.secondary: list[torch.Tensor] = []
 
     def gather(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         unit = self.unit
@@ -441,7 +484,7 @@ class Call:
         self.dtypes = [s.dtype for s in shards]
         self.devices = [s.device for s in shards]
         prefetched = bool(unit.prefetched)
-        self.full, params = unit.gather(shards)
+        self.full, params, self.secondary = unit.gather(shards)
         real = not unit.ctx.simulated
         self.nbytes = [
             t.untyped_storage().nbytes() if t is not None and real else 0 for t in self.full
@@ -456,10 +499,14 @@ class Call:
         if self.freed or not self.unit.layout.rounds or self.unit.replicas is not None:
             self.freed = True
             return
+        # hpZ after the forward: what the backward does not gather again stays.
+        gathered = self.unit.regathered if phase == "forward" else None
         if not self.unit.ctx.simulated:
-            for t in self.full:
-                if t is not None:
+            for i, t in enumerate(self.full):
+                if t is not None and (gathered is None or i in gathered):
                     t.untyped_storage().resize_(0)
+        if phase == "backward":
+            self.secondary = []
         self.freed = True
         self.unit.note("free", phase, self.token)
 
@@ -489,10 +536,11 @@ class Call:
         with torch.no_grad(), torch._C._DisableFuncTorch():
             if not unit.ctx.simulated:
                 for t, nbytes in zip(self.full, self.nbytes):
-                    if t is not None:
+                    if t is not None and t.untyped_storage().nbytes() == 0:
                         t.untyped_storage().resize_(nbytes)
+            secondary = self.secondary or None
             with torch.autograd._unsafe_preserve_version_counter(tuple(full)):
-                unit.gather([_plain(s) for s in unit.shards], into=self.full)
+                unit.gather([_plain(s) for s in unit.shards], into=self.full, secondary=secondary)
         self.freed = False
         unit.note("gather", "backward", self.token, unit.token if prefetched else None)
 
@@ -552,6 +600,8 @@ class CallState:
                 _use_replicas(unit, replicas)
         if not ctx.sync:
             _check_unsynced(self.units)
+        if ctx.policy.secondary_axis is not None:
+            _check_secondary(self.units, ctx, ctx.policy.secondary_axis)
         if isinstance(ctx.policy.gather_quantization, Float8Gather):
             _float8_scales(self.units, ctx, ctx.policy.gather_quantization)
         self.calls: list[Call] = []  # this call's unit invocations, in order
@@ -606,6 +656,8 @@ class CallState:
         """Before ``call``'s backward: gather it again, and prefetch the calls before it
         (unless ``prefetch`` is false)."""
         calls, depth = self.calls, self.ctx.policy.prefetch if prefetch else 0
+        if self.ctx.policy.secondary_axis is not None:
+            depth = 0  # hpZ: the backward gathers from each call's secondary shard
 
         def hook() -> None:
             # A reduce-scatter in flight that holds a receive buffer (gloo) is finished
@@ -695,3 +747,32 @@ def _float8_scales(units: Mapping[str, Unit], ctx: Context, q: Float8Gather) -> 
         scales = amax_to_scale(amax, q.dtype)
     for k, (unit, i) in enumerate(cast):
         unit.scales[i] = scales[k]
+
+
+def _check_secondary(units: Mapping[str, Unit], ctx: Context, axis: str) -> None:
+    """hpZ needs ``axis`` to be a data axis of the mesh, and each parameter's last gather
+    round where it splits one (so the backward gathers over ``axis`` only)."""
+    if axis not in ctx.data_axes:
+        raise ValueError(
+            f"Policy(reshard_after_forward={axis!r}): {axis!r} is not a data axis of "
+            f"{format_mesh(ctx.sizes)} (data axes {ctx.data_axes}). Name the axis within a "
+            f"node that the backward's all-gathers should stay in, e.g. "
+            f"reshard_after_forward='gpu' on ff.make_mesh({{'node': 2, 'gpu': 8}})."
+        )
+    for unit in units.values():
+        up = unit.layout
+        for r, rnd in enumerate(up.rounds):
+            if rnd.axis != axis:
+                continue
+            for p in rnd.pieces:
+                if up.last_round[p.index] != r:
+                    lay = up.layouts[p.index]
+                    major = (axis, *(a for a in lay.spec.entry(p.dim) if a != axis))
+                    raise ValueError(
+                        f"Policy(reshard_after_forward={axis!r}): params[{up.names[p.index]!r}] "
+                        f"(shape {lay.global_shape}, {lay.spec}, {format_mesh(ctx.sizes)}) is "
+                        f"gathered over {axis!r} before another axis, so its backward would "
+                        f"gather across nodes too. Split dim {p.dim} with {axis!r} major: "
+                        f"P({major!r}) (the default specs do when reshard_after_forward names "
+                        f"an axis)."
+                    )

@@ -150,7 +150,7 @@ def gather_replicas(
     all-gather per data axis and dtype. ``into``: written into the replicas' buffers."""
     unit = _unit(shards, names, data_axes, Policy())
     with torch.no_grad():
-        _, full = unit.gather([s.local for s in shards])
+        _, full, _ = unit.gather([s.local for s in shards])
     out = []
     for rep, new in zip(replicas, full):
         if into:
