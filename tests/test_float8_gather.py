@@ -77,6 +77,26 @@ def test_params_selects_what_is_cast_and_the_rest_is_exact() -> None:
     _equal_to_one_process({**got, "float8": _emulated(got["weights"], cast)}, "float8")
 
 
+def test_under_mixed_precision_the_cast_reads_the_fp32_masters() -> None:
+    # x = I: the bf16 output is the gathered weight itself (each entry one product by 1).
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 6, bias=False)
+    with torch.no_grad():
+        lin.weight[0, 0] = 7.3  # an outlier sets the scale
+    policy = ff.Policy(
+        mixed_precision=ff.MixedPrecision(param_dtype=torch.bfloat16),
+        gather_quantization=ff.Float8Gather(),
+    )
+    with ff.simulated_mesh({"dp": 2}) as mesh:
+        sharded = ff.fsdp(lin, mesh, policy=policy)
+        out = ff.rank_values(sharded.apply(sharded.shard(), torch.eye(8)))[0]
+    # torchao casts the fp32 master and dequantizes to the compute dtype (bf16).
+    expected = _torchao_round_trip(lin.weight.detach()).to(torch.bfloat16).T
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    # Not the cast of the bf16 copy, which is another amax and other values here.
+    assert not torch.equal(out, _torchao_round_trip(lin.weight.detach().bfloat16()).T)
+
+
 class _WithCounts(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
