@@ -120,3 +120,29 @@ def planned_bytes(axes: dict[str, int], option: Any, kind: str, **policy: Any) -
         optimizer=ff.sgd(1.0),
     )
     return sum(c.bytes for c in report.comms if c.kind == kind)
+
+
+def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
+    """``steps`` SGD steps eager and traced (``ff.jit``, replayed op by op) from the same
+    state on the same batch: the largest difference of losses and parameters, and whether
+    the collectives are the same."""
+    mesh = ff.make_mesh({"dp": torch.distributed.get_world_size()})
+    m, batch = model(), data()
+    sharded = ff.fsdp(m, mesh, policy=ff.Policy(gather_quantization=option))
+    opt = ff.sgd(0.1)
+    step = ff.train_step(
+        lambda p, b: lm_loss(sharded.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sharded
+    )
+    fast = ff.jit(step, backend="eager")
+    out: dict[str, Any] = {"loss": 0.0, "params": 0.0, "comms_equal": True}
+    eager = traced = ff.TrainState.create(sharded.shard(), opt)
+    for _ in range(steps):
+        with ff.count_comms() as c_eager:
+            eager, m_eager = step(eager, batch)
+        with ff.count_comms() as c_traced:
+            traced, m_traced = fast(traced, batch)
+        out["loss"] = max(out["loss"], abs(float(m_eager["loss"]) - float(m_traced["loss"])))
+        out["comms_equal"] &= c_eager.by_kind_and_axis() == c_traced.by_kind_and_axis()
+    for a, b in zip(ff.tree_leaves(eager.params), ff.tree_leaves(traced.params)):
+        out["params"] = max(out["params"], float((a - b).abs().max()))
+    return out

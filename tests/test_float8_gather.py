@@ -146,3 +146,12 @@ def test_gloo_ranks_equal_one_process_and_the_planner_prices_the_bytes(pools: An
         for kind in ("all_gather", "all_reduce"):
             priced = W.planned_bytes({"dp": 2}, q, kind)
             assert priced == r[name][f"{kind}_bytes"], (name, kind)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch.compile's, as in test_jit.py
+def test_a_traced_step_equals_the_eager_one_bitwise(pools: Any) -> None:
+    # ff.jit traces the quantized gathers and the amaxes' all-reduce into the step's graph.
+    for option in (ff.Float8Gather(), ff.QuantizedGather(block_size=W.BLOCK)):
+        r = pools.run(2, W.traced_equals_eager, option)[0]
+        assert r == {"loss": 0.0, "params": 0.0, "comms_equal": True}, (option, r)
