@@ -372,9 +372,14 @@ MUON_NAMES = {
 }
 
 
+def _muon_runs(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs by date, then by size and batch."""
+    return sorted(data["runs"], key=lambda r: (r["date"], len(r["key"]), r["key"]))
+
+
 def muon_step(data: dict[str, Any]) -> str:
     rows = []
-    for run in data["runs"]:
+    for run in _muon_runs(data):
         f = run["figures"]
         base, update = f["adamw"]["step_ms"], f["muon"]["update_ms"]
         for name, v in f.items():
@@ -395,8 +400,8 @@ def muon_step(data: dict[str, Any]) -> str:
 
 
 def plot_muon_step(data: dict[str, Any], plt: Any) -> Any:
-    runs = data["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.2))
+    runs = _muon_runs(data)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
     names = list(runs[0]["figures"])
     width = 0.8 / len(names)
     for ax, part, label in zip(axes, ("step_ms", "update_ms"), ("train step", "optimizer update")):
@@ -404,7 +409,7 @@ def plot_muon_step(data: dict[str, Any], plt: Any) -> Any:
             xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(runs))]
             ax.bar(xs, [r["figures"][name][part] for r in runs], width, label=MUON_NAMES[name])
         ax.set_xticks(range(len(runs)))
-        ax.set_xticklabels([r["key"] for r in runs])
+        ax.set_xticklabels([r["key"].replace(", ", "\n") for r in runs], fontsize=7)
         ax.set_ylabel(f"{label}, ms (median)")
     axes[0].legend(fontsize=7)
     return fig

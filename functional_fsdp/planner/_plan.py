@@ -20,6 +20,9 @@ Figures (per rank; every rank holds a block of the same padded shape):
   parallelism), the share is a rank's chunks of each sequence and the forward runs inside
   that split, so the keys and values each attention layer gathers (and keeps for backward)
   are counted.
+* **the optimizer's exchange of whole matrices** (Muon's owners): recorded from the same
+  step (which matrices, their layouts and dtypes) and priced for every rank by
+  :func:`functional_fsdp.optim.muon.exchange_memory`; the peak adds the largest.
 * **communication**: every collective one ``train_step`` issues, by kind and mesh axis, in
   the bytes :class:`functional_fsdp.CommRecord` counts (ring bytes sent per rank). These are
   not worked out by the planner: it runs the real step (``ff.fsdp``, ``ff.train_step`` with the

@@ -74,7 +74,7 @@ def report_table(report: PlanReport) -> Any:
     ]
     if report.owner_bytes:
         rows.append(
-            (f"  + whole matrices on rank {report.owner_peak_rank}", report.owner_peak_bytes)
+            (f"  + owners' exchange (rank {report.owner_peak_rank})", report.owner_peak_bytes)
         )
     rows += [
         (f"largest unit ({report.largest_unit or '<root>'})", report.largest_unit_bytes),
