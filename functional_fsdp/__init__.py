@@ -55,6 +55,7 @@ from .fsdp.policy import find_units as find_units
 from .fsdp.quantized_gather import QuantizedGather as QuantizedGather
 from .fsdp.quantized_gather import dequantize_blockwise as dequantize_blockwise
 from .fsdp.quantized_gather import quantize_blockwise as quantize_blockwise
+from .fsdp.quantized_reduce import QuantizedReduce as QuantizedReduce
 from .fsdp.tensor_peak import TensorPeak as TensorPeak
 from .fsdp.tensor_peak import tensor_peak as tensor_peak
 from .grad_engine import AutogradFallbackWarning as AutogradFallbackWarning
@@ -211,6 +212,7 @@ __all__ = [
     "PrepareInput",
     "ProcessPool",
     "QuantizedGather",
+    "QuantizedReduce",
     "ReplicatedParallel",
     "RowwiseParallel",
     "ScaleByAdamState",

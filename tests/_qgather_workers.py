@@ -146,3 +146,14 @@ def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
     for a, b in zip(ff.tree_leaves(eager.params), ff.tree_leaves(traced.params)):
         out["params"] = max(out["params"], float((a - b).abs().max()))
     return out
+
+
+def qgz_on_ranks(axes: dict[str, int], block: int) -> dict[str, Any]:
+    """A step with int8 gradient reduction (``QuantizedReduce(block)``) and an exact one."""
+    mesh = ff.make_mesh(axes)
+    m, batch = model(), data()
+    policy = ff.Policy(grad_quantization=ff.QuantizedReduce(block_size=block))
+    return {
+        "qgz": step(mesh, m, batch, policy=policy),
+        "exact": step(mesh, m, batch, quantized=False),
+    }

@@ -392,11 +392,14 @@ def raw_all_to_all(
     if n == 1:
         return x.reshape(-1)
     axis = "+".join(sizes)
-    me = local_coordinate(mesh)
-    index = 0
-    for name, size in sizes.items():
-        index = index * size + me[name]
-    sent = (sum(send_sizes) - send_sizes[index]) * x.element_size()
+    if len(set(send_sizes)) == 1:  # the same to every rank (no coordinate: simulated too)
+        sent = (n - 1) * send_sizes[0] * x.element_size()
+    else:
+        me = local_coordinate(mesh)
+        index = 0
+        for name, size in sizes.items():
+            index = index * size + me[name]
+        sent = (sum(send_sizes) - send_sizes[index]) * x.element_size()
     record("all_to_all", axis, n, sent, x.dtype, counters)
     what: What = ("all_to_all", mesh, axis, x.shape, x.dtype)
     with torch.no_grad():

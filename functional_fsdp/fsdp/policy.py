@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..spec import P
 from .float8_gather import Float8Gather
 from .quantized_gather import QuantizedGather
+from .quantized_reduce import QuantizedReduce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,10 +109,13 @@ class Policy:
             fp32's bytes; or as float8 with a per-tensor scale from the global amax
             (:class:`~functional_fsdp.Float8Gather`, FSDP2 + torchao's): a quarter of
             fp32's bytes. The shards at rest stay exact. ``None``: exact gathers.
+        grad_quantization: reduce gradients as blockwise int8 through an all-to-all
+            (:class:`~functional_fsdp.QuantizedReduce`, ZeRO++'s qgZ, one hop) instead of
+            the reduce-scatter. ``None``: exact reductions.
 
     Example:
         >>> Policy(reshard_after_forward=False, prefetch=2)  # SHARD_GRAD_OP, two units ahead
-        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False, gather_quantization=None)
+        Policy(reshard_after_forward=False, prefetch=2, mixed_precision=MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=True), activation_checkpointing=False, grad_reduce='mean', offload=False, gather_quantization=None, grad_quantization=None)
     """
 
     reshard_after_forward: bool | str
@@ -121,6 +125,7 @@ class Policy:
     grad_reduce: Literal["mean", "sum", "none"]
     offload: bool
     gather_quantization: QuantizedGather | Float8Gather | None
+    grad_quantization: QuantizedReduce | None
 
     def __init__(
         self,
@@ -132,6 +137,7 @@ class Policy:
         grad_reduce: Literal["mean", "sum", "none"] = "mean",
         offload: bool = False,
         gather_quantization: QuantizedGather | Float8Gather | None = None,
+        grad_quantization: QuantizedReduce | None = None,
         checkpoint: bool | Callable[[str], bool] | None = None,
     ) -> None:
         if checkpoint is not None:  # the old name of activation_checkpointing
@@ -155,6 +161,7 @@ class Policy:
             ("grad_reduce", grad_reduce),
             ("offload", offload),
             ("gather_quantization", gather_quantization),
+            ("grad_quantization", grad_quantization),
         ):
             object.__setattr__(self, name, value)
         self.__post_init__()
@@ -182,6 +189,12 @@ class Policy:
                 f"Policy(reshard_after_forward={k!r}): True (ZeRO-3), False (SHARD_GRAD_OP), "
                 f"or the name of a data axis within a node, e.g. 'gpu' (hpZ: the backward "
                 f"gathers over that axis only)."
+            )
+        g = self.grad_quantization
+        if g is not None and not isinstance(g, QuantizedReduce):
+            raise TypeError(
+                f"Policy(grad_quantization={g!r}): pass ff.QuantizedReduce(block_size=...) "
+                f"(int8 blocks reduced through an all-to-all), or None for exact reductions."
             )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Policy(prefetch={self.prefetch!r}): use an int >= 0.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,11 +49,7 @@ class QuantizedGather:
     block_size: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(
-                f"QuantizedGather(block_size={self.block_size!r}): a positive number of "
-                f"elements per block (each block carries one float32 scale), e.g. 256."
-            )
+        check_block_size(self)
 
     def bytes_per_element(self) -> float:
         """Bytes sent per gathered element: one int8 value plus its share of a scale."""
@@ -87,6 +84,16 @@ class QuantizedGather:
             out.append(deq.reshape(n, nb * b)[:, :k])
             offset += nb
         return torch.cat(out, dim=1)
+
+
+def check_block_size(option: QuantizedGather | Any) -> None:
+    """Refuse a block size that is not a positive int, naming the option."""
+    b = option.block_size
+    if not isinstance(b, int) or b < 1:
+        raise ValueError(
+            f"{type(option).__name__}(block_size={b!r}): a positive number of elements per "
+            f"block (each block carries one float32 scale), e.g. 256."
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -352,7 +352,9 @@ class Unit:
             and len(rounds) == 1
             and not all_reduce
             and all(current[i].dtype == dtypes[i] for i in needed)  # type: ignore[union-attr]
+            and ctx.policy.grad_quantization is None  # qgZ's all-to-all waits
         )
+        qgz = ctx.policy.grad_quantization
         for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
             meta = layout.labels[r]
@@ -376,6 +378,9 @@ class Unit:
                 # Traced (ff.jit), the compiler plans the buffers and places the wait.
                 soon = C.receives_copy(ctx.mesh, rnd.axis) and not torch.compiler.is_compiling()
                 self.in_flight.add(_finisher(finish, reduced, post, mine), soon=soon)
+            elif qgz is not None and flat.is_floating_point():  # int8 blocks, all-to-all
+                numels = [math.prod(p.local_shape) for p in pieces]
+                reduced = qgz.reduce(flat, numels, ctx.mesh, rnd.axis, counters=ctx.counters)
             else:
                 reduced = C.wait(
                     C.raw_reduce_scatter(flat, ctx.mesh, rnd.axis, counters=ctx.counters, meta=meta)
