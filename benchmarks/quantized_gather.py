@@ -5,8 +5,9 @@ steps, with ``Policy(gather_quantization=ff.QuantizedGather(block_size))``, with
 
 ``python benchmarks/quantized_gather.py [--steps 600] [--block-size 256] [--runs
 exact,int8,float8]``: the loss curve of each run (every 10 steps), the mean loss of the last
-50 steps and its ratio to the exact run's, the all-gather bytes per step and the median step
-time. Writes
+50 steps and its ratio to the exact run's, the all-gather and reduction bytes per step and
+the median step time. ``--runs exact,qgz`` trains with int8 gradient reduction
+(``ff.QuantizedReduce``, ZeRO++'s qgZ) instead. Writes
 ``benchmarks/results/quantized_gather.json``. CPU times on a shared 2-core machine are noisy,
 and gloo on one host moves bytes through memory: the bytes, not the times, are what a slow
 interconnect would feel.
@@ -28,12 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = ["exact", "int8", "float8"]  # "exact" first: the others' ratios are to it
 
 
-def _option(run: str, block_size: int) -> Any:
-    """The policy's ``gather_quantization`` for a run's name."""
+def _policy(run: str, block_size: int) -> ff.Policy:
+    """The policy of a run's name (``qgz``: int8 gradient reduction, exact gathers)."""
     return {
-        "exact": None,
-        "int8": ff.QuantizedGather(block_size=block_size),
-        "float8": ff.Float8Gather(),
+        "exact": ff.Policy(),
+        "int8": ff.Policy(gather_quantization=ff.QuantizedGather(block_size=block_size)),
+        "float8": ff.Policy(gather_quantization=ff.Float8Gather()),
+        "qgz": ff.Policy(grad_quantization=ff.QuantizedReduce(block_size=block_size)),
     }[run]
 
 
@@ -48,7 +50,7 @@ def worker(steps: int, run: str, block_size: int) -> dict[str, Any]:
     cfg = GPTConfig(vocab_size=len(chars), block_size=64, n_layer=4, n_head=4, n_embd=128)
     model = GPT(cfg)
     mesh = ff.make_mesh({"dp": torch.distributed.get_world_size()})
-    sharded = ff.fsdp(model, mesh, policy=ff.Policy(gather_quantization=_option(run, block_size)))
+    sharded = ff.fsdp(model, mesh, policy=_policy(run, block_size))
     schedule = ff.warmup_cosine_decay_schedule(0.0, 3e-3, steps // 10, steps, 3e-4)
     opt = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(schedule, weight_decay=0.1))
     step = ff.train_step(
@@ -70,6 +72,7 @@ def worker(steps: int, run: str, block_size: int) -> dict[str, Any]:
         "losses": losses,
         "all_gather_bytes": comms.bytes("all_gather"),
         "all_reduce_bytes": comms.bytes("all_reduce"),
+        "reduce_bytes": comms.bytes("reduce_scatter") + comms.bytes("all_to_all"),
         "step_s": statistics.median(times),
     }
 
@@ -81,7 +84,12 @@ def main(steps: int, block_size: int, runs: list[str]) -> None:
     runs = ["exact", *(r for r in runs if r != "exact")]  # the ratios' reference, first
     pool = ff.ProcessPool(2, device_type="cpu", timeout=3600)
     try:
-        names = {"exact": "exact", "int8": f"int8, block {block_size}", "float8": "float8 e4m3"}
+        names = {
+            "exact": "exact",
+            "int8": f"int8, block {block_size}",
+            "float8": "float8 e4m3",
+            "qgz": f"int8 gradients, block {block_size}",
+        }
         results = {names[run]: pool.run(worker, steps, run, block_size)[0] for run in runs}
     finally:
         pool.close()
@@ -93,6 +101,7 @@ def main(steps: int, block_size: int, runs: list[str]) -> None:
             "all_gather_bytes": r["all_gather_bytes"],
             "bytes_ratio": round(r["all_gather_bytes"] / results["exact"]["all_gather_bytes"], 4),
             "all_reduce_bytes": r["all_reduce_bytes"],
+            "reduce_bytes": r["reduce_bytes"],  # reduce-scatter or qgZ's all-to-all
             "step_s": round(r["step_s"], 4),
             "step_ratio": round(r["step_s"] / results["exact"]["step_s"], 4),
             "losses_every_10": [round(x, 4) for x in r["losses"][::10]],
