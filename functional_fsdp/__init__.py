@@ -8,6 +8,7 @@ layouts with explicit, differentiable collectives.
 from . import contrib as contrib
 from . import cp as cp
 from . import dtensor as dtensor  # provides Sharded.to_dtensor and Sharded.from_dtensor
+from . import ft as ft
 from ._dpo import dpo_loss as dpo_loss
 from ._lm_losses import causal_lm_loss as causal_lm_loss
 from ._lm_losses import sequence_logps as sequence_logps
@@ -275,6 +276,7 @@ __all__ = [
     "fold_in",
     "from_torch_plan",
     "fsdp",
+    "ft",
     "gather",
     "gather_from",
     "global_norm",

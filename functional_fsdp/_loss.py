@@ -144,10 +144,12 @@ class Outputs(typing.NamedTuple):
 
 
 def reduce_outputs(
-    model: FSDP | None, out: Outputs
+    model: FSDP | None, out: Outputs, replicas: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
     """The step's loss, total count and auxiliary outputs, over the data ranks: one
-    all-reduce of everything at once (the loss's, which every step spends anyway).
+    all-reduce of everything at once (the loss's, which every step spends anyway). With
+    ``replicas`` (a :class:`~functional_fsdp.ft.ReplicaGroup`), then summed over the
+    step's replica groups: the data ranks of every group alive.
 
     A scalar loss: the mean over ranks and micro-batches. A ``(sum, count)`` loss: the
     global sum over the global count. Auxiliary values: plain tensors averaged over ranks
@@ -162,6 +164,9 @@ def reduce_outputs(
         loss = out.value / out.parts
         if model is not None:
             loss = C.wait(C.raw_all_reduce(loss, model.mesh, model.data_axes, op="mean"))
+        if replicas is not None:
+            loss = replicas.sum_outputs(loss.reshape(1))[0]
+            loss = (loss / replicas.contributors).to(out.value.dtype)
         return loss, None, None
     device = out.value.device
 
@@ -175,6 +180,9 @@ def reduce_outputs(
     total = torch.cat(parts)
     if model is not None:  # one all-reduce (sum) of the loss, the count and every aux value
         total = C.wait(C.raw_all_reduce(total, model.mesh, model.data_axes))
+    if replicas is not None:  # a group joining at this step counts nothing (its flag: 0)
+        total = replicas.sum_outputs(total)
+        means *= replicas.contributors
     dtype = out.value.dtype
     if out.count is None:
         loss, count, at = (total[0] / means).to(dtype), None, 1

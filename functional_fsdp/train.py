@@ -40,6 +40,7 @@ from .fsdp.api import FSDP
 from .fsdp.gradients import to_compute_layout
 from .fsdp.layout import gather_dtype
 from .fsdp.zero import gather_replicas, reduce_to_shards, slice_to_shards
+from .ft.replicas import ReplicaGroup
 from .grad_engine import Differentiator, Engine
 from .optim.clipping import global_norm_and_finite
 from .optim.masters import MasterWeightsState, _widens
@@ -673,6 +674,7 @@ def train_step(
     randomness: Literal["per_rank", "global_batch"] = "per_rank",
     engine: Engine = "auto",
     has_aux: bool = False,
+    replicas: ReplicaGroup | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build a pure ``step(state, batch) -> (new_state, metrics)``.
 
@@ -832,6 +834,11 @@ def train_step(
         )
     if randomness == "global_batch":
         _check_global_batch_randomness(model, accumulate)
+    if replicas is not None and not isinstance(replicas, ReplicaGroup):
+        raise TypeError(
+            f"train_step: replicas= takes an ff.ft.ReplicaGroup (this process's group in a "
+            f"fault-tolerant job), got {_short_repr(replicas)}."
+        )
     if (batch == "global" or accumulate_mode == "local") and model is None:
         raise ValueError(
             "train_step: pass model=ff.fsdp(...) so the step knows the mesh and data axes "
@@ -850,6 +857,7 @@ def train_step(
         randomness=randomness,
         has_aux=has_aux,
         differentiate=Differentiator(engine, None if model is None else model.module),
+        replicas=replicas,
     )
     checked_batch: list[bool] = []  # whether a call compared the ranks' global batches
 
@@ -875,6 +883,7 @@ class _Config:
     randomness: str
     has_aux: bool
     differentiate: Differentiator  # remembers the engine "auto" chose
+    replicas: ReplicaGroup | None = None  # fault-tolerant replica groups (torchft)
 
     def loss(self, params: Any, batch: Batch) -> tuple[torch.Tensor, tuple[Any, Any, Any]]:
         """``loss_fn(params, batch)`` as ``(value to differentiate, (count, aux, buffers))``:
@@ -945,9 +954,11 @@ def _step(cfg: _Config, checked_batch: list[bool], state: TrainState, data: Batc
             f"state each step returns to the next."
         )
     model = cfg.model
-    params, count = state.params, state.step
     if model is not None:
         check_alive(model.mesh, "train_step")
+    if cfg.replicas is not None:  # this step's quorum; a joining group's state first
+        state = cfg.replicas.begin(state)
+    params, count = state.params, state.step
     base_key = state.rng
     if model is not None and state.trainable is None:
         _check_all_trainable(model, params)
@@ -1129,8 +1140,10 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     back at rest, the new state and the metrics."""
     model, donate = cfg.model, cfg.donate
     opt_state, count, key = state.opt_state, state.step, state.rng  # read before donation
-    loss, items, aux = reduce_outputs(model, path.outputs)
+    loss, items, aux = reduce_outputs(model, path.outputs, cfg.replicas)
     grads = path.grads
+    if cfg.replicas is not None:  # summed over the quorum's groups: their batches' union
+        grads = _over_replicas(cfg.replicas, grads, mean=items is None)
     if items is not None:
         grads = to_token_mean(model, grads, path.outputs.parts, items)
     # Element by element: a finite gradient may overflow the norm (optax's rule).
@@ -1140,6 +1153,13 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     if cfg.learning_rate is not None:
         lr_ = cfg.learning_rate
         given_lr = lr_(count) if callable(lr_) else lr_
+    # Not committed: some group failed (the step runs again), or no group's batch counted
+    # (every group had a rank that was joining).
+    if cfg.replicas is not None and not (cfg.replicas.commit() and cfg.replicas.contributors):
+        skipped = {"loss": loss, "grad_norm": norm, "finite": finite}
+        if items is not None:
+            skipped["count"] = items
+        return state, {**skipped, "committed": False, "replicas": cfg.replicas.contributors}
     if donate:  # dead before the first in-place write: a failure below cannot be retried
         state._donated_at = count
     # What the optimizer depends on, as arguments (an ExtraArgs update takes them), all
@@ -1186,10 +1206,22 @@ def _update(cfg: _Config, state: TrainState, split: _Split, path: _PathResult) -
     if items is not None:
         metrics["count"] = items
     metrics.update(records)
+    if cfg.replicas is not None:
+        metrics.update(committed=True, replicas=cfg.replicas.contributors)
     metrics = {k: _one_value(v) for k, v in metrics.items()}
     if cfg.has_aux:
         metrics["aux"] = optree.tree_map(_one_value, aux, namespace=NAMESPACE)
     return new_state, metrics
+
+
+def _over_replicas(replicas: ReplicaGroup, grads: Any, mean: bool) -> Any:
+    """The gradients summed over the quorum's replica groups (averaged for a scalar loss;
+    a ``(sum, count)`` loss's are divided by the global count afterwards)."""
+    leaves, treedef = optree.tree_flatten(grads, namespace=NAMESPACE)  # Sharded: its local
+    summed = replicas.sum(leaves)
+    if mean:
+        summed = [t / replicas.contributors for t in summed]
+    return optree.tree_unflatten(treedef, summed)
 
 
 def _compute_layout(model: FSDP, values: list[Any]) -> list[Any]:

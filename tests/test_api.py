@@ -22,7 +22,7 @@ def test_public_name_has_docstring_with_example(name):
 def test_all_lists_every_public_name():
     exported = {n for n in dir(ff) if not n.startswith("_") and n not in ("annotations",)}
     modules = {n for n in exported if inspect.ismodule(getattr(ff, n))}
-    public_modules = {"checkpoint", "contrib", "cp"}  # ff.checkpoint.save, ff.contrib.muon, ff.cp
+    public_modules = {"checkpoint", "contrib", "cp", "ft"}  # ff.checkpoint.save, ff.contrib.muon
     assert set(ff.__all__) == (exported - modules) | public_modules
 
 

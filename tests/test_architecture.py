@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moves", ("_buckets", "resharding", "dtensor", "rng")),  # shard/gather/reshard, DTensor, keys
     (
         "engines",
-        ("formats", "fsdp", "tp", "cp", "optim", "contrib"),
-    ),  # FSDP.apply, TP, context parallelism, optimizers (contrib: optax.contrib's names), formats
+        ("formats", "fsdp", "tp", "cp", "optim", "contrib", "ft"),
+    ),  # FSDP.apply, TP, context parallelism, optimizers (contrib: optax.contrib's names), formats,
+    # fault-tolerant replica groups (torchft)
     (
         "steps",
         (
@@ -64,6 +65,10 @@ TORCH_DISTRIBUTED_ALLOWED: dict[tuple[str, str], str] = {
         "process group the distributed layer hands it"
     ),
     ("checkpoint.dcp", "torch.distributed.tensor."): "DCP state dicts hold DTensors",
+    ("ft.", "torch.distributed."): (
+        "torchft's Manager is built from this replica group's c10d rank and world size, and "
+        "its own process group (not the distributed layer's) sums over the groups"
+    ),
     ("tp.torch_styles", "torch.distributed.tensor."): (
         "reads plans written with torch's TP styles and DTensor placements to translate them"
     ),
