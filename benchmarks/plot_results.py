@@ -440,6 +440,28 @@ def plot_muon_loss(data: dict[str, Any], plt: Any) -> Any:
     return _loss_curves(curves, plt)
 
 
+def ft_overhead(data: dict[str, Any]) -> str:
+    runs = sorted(data["runs"], key=lambda r: int(r["key"].split("=")[1]))
+    rows = [
+        [
+            r["key"].split("=")[1],
+            _num(r["figures"]["hsdp_step_s"], 3),
+            _num(r["figures"]["ft_step_s"], 3),
+            _num(r["figures"]["ft_over_hsdp"], 2),
+            _num(r["figures"]["death_to_next_commit_s"], 2),
+        ]
+        for r in runs
+    ]
+    header = [
+        "GPT width",
+        "HSDP step, s",
+        "2 replica groups (torchft), s",
+        "ratio",
+        "death to next commit, s",
+    ]
+    return _table(header, rows) + "\n\n" + _sources(data)
+
+
 PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "step_vs_fsdp2": step_vs_fsdp2,
     "compiled_step": compiled_step,
@@ -452,6 +474,7 @@ PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "quantized_gather": quantized_gather,
     "muon_step": muon_step,
     "muon_loss": muon_loss,
+    "ft_overhead": ft_overhead,
 }
 PLOTS: dict[str, Callable[[Any], Any]] = {
     "step_vs_fsdp2": lambda plt: plot_step_vs_fsdp2(load("step_vs_fsdp2"), plt),
