@@ -59,6 +59,7 @@ def on_ranks() -> dict[str, Any]:
     mesh = ff.make_mesh(AXES)
     out = compare(mesh)
     out["fsdp2"] = fsdp2(2)
+    out["peaks"] = peaks()
     dist.barrier()
     return out
 
@@ -72,3 +73,41 @@ def planned(policy: ff.Policy, specs: Any) -> dict[tuple[str, str], int]:
     for c in report.comms:
         out[c.kind, c.axis] = out.get((c.kind, c.axis), 0) + c.bytes
     return out
+
+
+def peaks(repeats: int = 3) -> dict[str, int]:
+    """The least tensor peak (``ff.tensor_peak``) of ``repeats`` SGD steps of the small GPT
+    with hpZ over ``gpu`` and with plain FSDP on the same specs, on this rank's mesh."""
+    mesh = ff.make_mesh(AXES)
+    batch, opt, out = W.data(), ff.sgd(1.0), {}
+    for name, policy in (("hpz", ff.Policy(reshard_after_forward="gpu")), ("fsdp", ff.Policy())):
+        sharded = ff.fsdp(W.model(), mesh, policy=policy, specs=ff.P(("gpu", "node")))
+        train = ff.train_step(
+            lambda p, b, s=sharded: lm_loss(s.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sharded
+        )
+        state = {"state": ff.TrainState.create(sharded.shard(), opt)}
+
+        def run(train: Any = train, state: dict[str, Any] = state) -> None:
+            state["state"], _ = train(state["state"], batch)
+
+        run()  # warm-up: the first call builds caches and groups
+        out[name] = min(ff.tensor_peak(run).added_bytes for _ in range(repeats))
+    return out
+
+
+def planned_peak(policy: ff.Policy, specs: Any = None) -> int:
+    """The gathered-parameter peak ff.plan prices for :func:`peaks`' step."""
+    report = ff.plan(W.model(), AXES, policy=policy, specs=specs, optimizer=ff.sgd(1.0))
+    return report.gathered_peak_bytes
+
+
+def intermediate_bytes(unit: str) -> int:
+    """The bytes of ``unit``'s parameters gathered over ``node`` only (dim 0 split in
+    ``gpu * node`` chunks of ``ceil(rows / 4)`` rows, ``node`` of them): what a gather over
+    "node" then "gpu" holds between its two rounds."""
+    chunk = AXES["gpu"] * AXES["node"]
+    return sum(
+        AXES["node"] * -(-p.shape[0] // chunk) * p[0].numel() * p.element_size()
+        for n, p in W.model().named_parameters()
+        if n.startswith(unit + ".")
+    )

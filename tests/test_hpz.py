@@ -77,7 +77,20 @@ def test_gloo_ranks_equal_fsdp_and_fsdp2_and_the_planner_prices_the_bytes(pools:
         assert abs(ref["loss"] - r["hpz"]["loss"]) < 1e-12
         for name, g in ref["grads"].items():
             assert torch.allclose(r["hpz"]["grads"][name], g, rtol=0, atol=1e-12), name
-    # The planner prices each axis's bytes as the step sends them, from shapes.
-    specs = ff.P(("gpu", "node"))
-    for name, policy in (("hpz", ff.Policy(reshard_after_forward="gpu")), ("fsdp", ff.Policy())):
-        assert H.planned(policy, specs) == results[0][name]["bytes"], name
+    # The planner prices each axis's bytes as the step sends them, from shapes (under hpZ
+    # with the specs it picks itself: "gpu" major).
+    specs, hpz = ff.P(("gpu", "node")), ff.Policy(reshard_after_forward="gpu")
+    assert H.planned(hpz, None) == H.planned(hpz, specs) == results[0]["hpz"]["bytes"]
+    assert H.planned(ff.Policy(), specs) == results[0]["fsdp"]["bytes"]
+    # And the memory hpZ adds: at the start of the backward the step holds every unit's
+    # secondary shard (each parameter as gathered over "node", padded), which plain FSDP
+    # does not, less the one such tensor plain FSDP holds while it gathers the last block
+    # again over "node" then "gpu" (hpZ's backward starts from the secondary shard). The
+    # planner prices the first (the secondary shards, in gathered_peak), not the second (a
+    # gather's intermediate, which it prices for neither).
+    planned = H.planned_peak(hpz) - H.planned_peak(ff.Policy(), specs)
+    intermediate = H.intermediate_bytes("blocks.1")
+    assert 0 < intermediate < planned
+    for r in results:
+        measured = r["peaks"]["hpz"] - r["peaks"]["fsdp"]
+        assert measured == planned - intermediate, (measured, planned, intermediate)

@@ -47,7 +47,8 @@ from .._tree import NAMESPACE
 from ..cp.attention import COMM_LABEL
 from ..distributed.axes import data_axes_of, sequence_axis_of
 from ..formats import replicated_bytes, storage_view
-from ..fsdp.layout import ModelLayout, gather_dtype, model_layout
+from ..fsdp.float8_gather import Float8Gather
+from ..fsdp.layout import ModelLayout, UnitLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
 from ..optim.masters import MasterWeightsState, _widens
 from ..optim.muon import exchange_memory, recording_exchanges
@@ -141,7 +142,8 @@ class PlanReport:
         largest_unit: the unit with the most gathered bytes (``""``: the root unit).
         largest_unit_bytes: its gathered bytes.
         root_bytes: the root unit's gathered bytes (it stays gathered for the step).
-        gathered_peak_bytes: peak of gathered-parameter bytes with prefetch.
+        gathered_peak_bytes: peak of gathered-parameter bytes with prefetch (under hpZ,
+            ``Policy(reshard_after_forward=axis)``, every unit's secondary shard too).
         activation_bytes: activations kept for backward under the policy's checkpointing
             (``None`` when no batch was given).
         activation_bytes_no_checkpoint: the same without checkpointing.
@@ -618,7 +620,7 @@ def plan(
         if specs is None:
             specs = tp.specs
     if specs is None:
-        specs = default_specs(shape_mesh, data_axes)  # type: ignore[arg-type]
+        specs = default_specs(shape_mesh, data_axes, policy.secondary_axis)  # type: ignore[arg-type]
     unit_paths = tuple(find_units(model, units))
     module_params = dict(model.named_parameters())
     paths = optree.tree_paths(module_params, none_is_leaf=True)  # type: ignore[arg-type]
@@ -696,6 +698,10 @@ def plan(
     else:
         window = sum(order)
     gathered_peak = root_bytes + window
+    if policy.secondary_axis is not None:  # hpZ: every unit's secondary shard, the root's too
+        gathered_peak += sum(
+            _secondary_bytes(up, policy.secondary_axis, policy) for up in the_plan.units.values()
+        )
     largest = max(the_plan.units.values(), key=lambda u: u.gathered_bytes)
 
     # ---- activations
@@ -892,6 +898,38 @@ def _shapes(tree: Any) -> tuple[Any, ...]:
         else:
             sig.append(repr(x))
     return tuple(sig)
+
+
+def _secondary_bytes(up: UnitLayout, axis: str, policy: Policy) -> int:
+    """The bytes hpZ (``Policy(reshard_after_forward=axis)``) keeps of unit ``up`` from its
+    forward to its backward: each parameter as it was before its gather round over
+    ``axis`` (the output of its previous round, padded; a cast or offloaded copy of its
+    shard when that round is its first; nothing when it is the shard itself), and each
+    other gathered parameter whole (the forward does not free it).
+
+    Example:
+        >>> from torch import nn
+        >>> from functional_fsdp.fsdp.layout import model_layout
+        >>> up = model_layout(
+        ...     nn.Linear(4, 8), {"node": 2, "gpu": 2}, {"weight": P(("gpu", "node")),
+        ...     "bias": P(("gpu", "node"))}, [], ("node", "gpu"), None
+        ... ).units[""]
+        >>> up.gathered_bytes, _secondary_bytes(up, "gpu", Policy())  # half of the float32s
+        (160, 80)
+    """
+    held: dict[int, int] = {}  # per parameter: the bytes of its value after the last round
+    kept: dict[int, int] = {}
+    float8 = isinstance(policy.gather_quantization, Float8Gather)
+    for rnd in up.rounds:
+        for p in rnd.pieces:
+            if rnd.axis == axis:
+                copied = policy.offload or not (
+                    (float8 and rnd.first) or up.dtypes[p.index] == rnd.dtype
+                )
+                local = math.prod(p.local_shape) * rnd.dtype.itemsize if copied else 0
+                kept[p.index] = held.get(p.index, local)
+            held[p.index] = math.prod(p.padded_shape(rnd.size)) * rnd.dtype.itemsize
+    return sum(kept.get(i, b) for i, b in held.items())
 
 
 def _trainable(model: nn.Module, trainable: Any) -> frozenset[str]:
