@@ -6,7 +6,7 @@ policy and a frozen reference on the same mesh, TRL's sigmoid loss, a resumable 
    written), read by ``datasets`` and tokenized as ``DPOTrainer`` tokenizes it; each data rank
    reads its own share of every epoch (a stateful, sharded loader).
 2. The models: with LoRA (the default) the policy is the base with adapters and the reference
-   is the same base with the adapters disabled (``sm.module.disable_adapter()``), as TRL does
+   is the same base with the adapters disabled (``model.disable_adapter()``), as TRL does
    it: no second copy. With ``--full`` every weight is trained and the reference is a second
    copy of the checkpoint, frozen and sharded on the same mesh: gathered one unit at a time in
    its forward, without gradients or optimizer state. ``--quantize nf4`` (or ``fp4``) makes the
@@ -169,11 +169,9 @@ def main() -> None:
 
         def reference_logits(p: dict, ids: torch.Tensor) -> torch.Tensor:
             # The base without the adapters (TRL's reference for a peft model): the policy's
-            # own frozen weights, gathered as they are for the policy. The adapters are
-            # disabled on sm.module, the module ff.fsdp runs: with a 4-bit base that is a
-            # storage view whose LoRA layers are copies, which model.disable_adapter() on the
-            # original peft model does not reach.
-            with sm.module.disable_adapter():
+            # own frozen weights, gathered as they are for the policy. sm.apply runs with the
+            # peft model's state at the call (a 4-bit base's storage view included).
+            with model.disable_adapter():
                 return sm.apply(p, input_ids=ids, buffers=buffers).logits
 
     optimizer = ff.chain(ff.clip_by_global_norm(1.0), ff.adamw(args.lr, weight_decay=0.0))

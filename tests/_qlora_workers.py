@@ -396,3 +396,76 @@ def export_4bit(path: str, adapter_dir: str, merged_dir: str) -> dict:
     out["merged_requantized_bitwise"] = requantized
     out["merged_plain_bitwise"] = plain
     return out
+
+
+# --------------------------------------------------------------------------- the user's module state
+
+
+def user_state(path: str, simulated: bool = False) -> dict:
+    """``sm.apply`` after changing the *user's* peft model (``.eval()``, ``.train()``,
+    ``disable_adapter()``, ``set_adapter``) against the same model in one process.
+
+    The base at ``path`` has attention dropout 0.5, read from the (copied) attention modules'
+    ``training``: in training mode the logits are random, in eval mode they equal the
+    reference's, a second model whose attention dropout is set to 0 (run in training mode:
+    see the module docstring). The view keeps what was set on ``sm.module`` itself while the
+    user's module does not change it. ``simulated``: on a simulated mesh of 2 ranks, the
+    global batch; else on 2 gloo ranks, each rank its half. Returns the largest differences.
+    """
+    from peft import LoraConfig
+
+    other = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = with_lora(quantized(path))
+    model.add_adapter("other", other)  # with_lora seeds: the same random A and B in both
+    ref = with_lora(quantized(path))
+    ref.add_adapter("other", other)
+    for m in ref.modules():
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+    b = batches(1, rows=4)[0]
+    x = b if simulated else b.chunk(2)[torch.distributed.get_rank()]
+    with torch.no_grad():
+        on = ref(input_ids=x).logits
+        with ref.disable_adapter():
+            off = ref(input_ids=x).logits
+        ref.set_adapter("other")
+        switched = ref(input_ids=x).logits
+        ref.set_adapter("default")
+    ctx = ff.simulated_mesh({"dp": 2}) if simulated else None
+    mesh = ctx.__enter__() if ctx is not None else ff.make_mesh({"dp": 2})
+    sm = ff.fsdp(model, mesh)
+    params = sm.shard()
+
+    def run() -> torch.Tensor:
+        with torch.no_grad():
+            y = sm.apply(params, input_ids=x).logits
+        return ff.rank_values(y)[0] if simulated else y
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a - b).abs().max().item()
+
+    out: dict = {"adapters_matter": diff(on, off), "other_matters": diff(on, switched)}
+    out["train"] = diff(run(), on)  # dropout: random
+    model.eval()
+    out["eval"] = diff(run(), on)
+    with model.disable_adapter():
+        out["disabled"] = diff(run(), off)
+    out["enabled_again"] = diff(run(), on)
+    model.set_adapter("other")
+    out["set_adapter"] = diff(run(), switched)
+    model.set_adapter("default")
+    out["default_again"] = diff(run(), on)
+    model.train()
+    out["train_again"] = diff(run(), on)
+    sm.module.eval()  # set on the view itself: kept while the user's model does not change it
+    out["view_eval"] = diff(run(), on)
+    with sm.module.disable_adapter():
+        out["view_disabled"] = diff(run(), off)
+    model.eval()
+    model.train()  # a change made between two calls: the view's eval stays (same value)
+    out["user_training"] = model.training
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+    return out

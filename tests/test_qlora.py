@@ -393,3 +393,32 @@ def test_data_without_the_text_field_is_refused_naming_the_fields(tmp_path, monk
         example.load_texts(str(data), "text")
     assert example.load_texts(str(data), "body") == ["hello"]
     sys.modules.pop("finetune_lora", None)
+
+
+# --------------------------------------------------------------------------- the user's module state
+
+
+@pytest.fixture(scope="module")
+def dropout_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return W.save_tiny_llama(str(tmp_path_factory.mktemp("dropout_llama")), attention_dropout=0.5)
+
+
+def _check_user_state(out: dict) -> None:
+    assert out["adapters_matter"] > 1e-3 and out["other_matters"] > 1e-3, out
+    assert out["train"] > 1e-3 and out["train_again"] > 1e-3, out  # attention dropout on
+    for k in ("eval", "disabled", "enabled_again", "set_adapter", "default_again"):
+        assert out[k] <= 1e-5, (k, out)
+    assert out["view_eval"] <= 1e-5 and out["view_disabled"] <= 1e-5, out
+
+
+def test_the_users_train_eval_and_adapter_state_reach_a_4bit_models_apply(dropout_dir):
+    """``model.eval()``/``.train()``, ``with model.disable_adapter():`` and ``set_adapter`` on
+    the user's peft model are what ``sm.apply`` runs with, though the LoRA layers over 4-bit
+    ones run from copies (the storage view); on a simulated mesh of 2 ranks."""
+    _check_user_state(W.user_state(dropout_dir, simulated=True))
+
+
+def test_gloo_the_users_train_eval_and_adapter_state_reach_a_4bit_models_apply(pools, dropout_dir):
+    """The same on 2 gloo ranks, each rank its half of the batch."""
+    for out in pools.run(2, W.user_state, dropout_dir):
+        _check_user_state(out)

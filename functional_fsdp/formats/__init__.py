@@ -29,6 +29,7 @@ a file of the size of ``bnb4.py`` with its own tests, not a cheap addition.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -179,7 +180,8 @@ def storage_view(module: nn.Module, wrappers: Sequence[tuple[str, Any]] = ()) ->
     """``module`` itself when it has no quantized layer; otherwise a shallow copy of its tree
     in which every quantized layer is its format's storage copy (the user's module is never
     changed: parameters, buffers and unquantized modules are shared, only the module objects
-    on the way to a quantized layer are copied).
+    on the way to a quantized layer are copied). The copies remember their originals:
+    :func:`sync_view` brings them up to date with what was set on the user's modules since.
 
     Raises:
         ValueError: if a wrapper (a tensor-parallel style) targets a quantized layer, or a
@@ -206,25 +208,90 @@ def storage_view(module: nn.Module, wrappers: Sequence[tuple[str, Any]] = ()) ->
     copies: dict[str, nn.Module] = {}
     for path, fmt in layers.items():
         copies[path] = fmt.storage(_get(module, path), path)
-    return _rebuild(module, "", copies)
+    links: list[_Link] = []
+    view = _rebuild(module, "", copies, links)
+    view.__dict__["_ff_links"] = _Links(links)
+    return view
+
+
+class _Links(tuple):  # type: ignore[type-arg]
+    """A view's :class:`_Link` s. A deep copy of the view (e.g. ``ff.init_sharded``'s private
+    copy) is no view of the user's module: it gets none (and copies no original)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Links:
+        return _Links()
+
+
+class _Link(NamedTuple):
+    """A copied module of a storage view, its original, and the original's state (its
+    attributes but children, parameters and buffers) as last copied to it."""
+
+    copy: nn.Module
+    original: nn.Module
+    seen: dict[str, Any]
+
+
+_STRUCTURE = frozenset({"_modules", "_parameters", "_buffers"})
+_MISSING = object()
+
+
+def _state(module: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in module.__dict__.items() if k not in _STRUCTURE}
+
+
+def sync_view(module: nn.Module) -> None:
+    """Bring a storage view's copied modules up to date with the user's modules: every
+    attribute (``training``, peft's disabled and active adapters, hooks, any attribute a
+    forward reads) that changed on the user's module since the view last read it is copied
+    to the view (children, parameters and buffers stay the view's). What was set on the view
+    itself (``sm.module.eval()``) stays, unless the user's module changed it since. Nothing
+    for a module that is not a storage view; ``ff.fsdp``'s ``apply`` calls it at every call.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> sync_view(model)  # nothing quantized: no view, nothing to do
+    """
+    for copy, original, seen in module.__dict__.get("_ff_links", ()):
+        now, mine = original.__dict__, copy.__dict__
+        stored = is_stored(copy)
+        for k, v in now.items():
+            if k in _STRUCTURE or seen.get(k, _MISSING) is v:
+                continue
+            seen[k] = v
+            if k.startswith("_ff_") or (stored and k in ("forward", "_is_hf_initialized")):
+                continue  # the storage copy's own
+            if k == "forward" and isinstance(v, types.MethodType) and v.__self__ is original:
+                v = types.MethodType(v.__func__, copy)  # as shallow_copy binds it
+            mine[k] = v
+        for k in [k for k in seen if k not in now]:
+            del seen[k]
+            if not k.startswith("_ff_") and not (stored and k == "forward"):
+                mine.pop(k, None)
 
 
 def _get(module: nn.Module, path: str) -> nn.Module:
     return module.get_submodule(path) if path else module
 
 
-def _rebuild(module: nn.Module, path: str, copies: dict[str, nn.Module]) -> nn.Module:
+def _rebuild(
+    module: nn.Module, path: str, copies: dict[str, nn.Module], links: list[_Link]
+) -> nn.Module:
     """A copy of ``module`` with the modules at ``copies``' paths replaced (shared modules
-    are copied once per path; modules on no replaced path are shared)."""
+    are copied once per path; modules on no replaced path are shared); each copy and its
+    original are added to ``links`` (for :func:`sync_view`)."""
     if path in copies:
-        return copies[path]
+        c = copies[path]
+        links.append(_Link(c, module, _state(module)))
+        return c
     prefix = path + "." if path else ""
     if not any(p.startswith(prefix) for p in copies):
         return module
     c = shallow_copy(module)
+    links.append(_Link(c, module, _state(module)))
     for name, child in module._modules.items():
         if child is not None:
-            c._modules[name] = _rebuild(child, prefix + name, copies)
+            c._modules[name] = _rebuild(child, prefix + name, copies, links)
     return c
 
 
@@ -237,4 +304,5 @@ __all__ = [
     "shallow_copy",
     "storage_view",
     "stored_param",
+    "sync_view",
 ]

@@ -43,7 +43,7 @@ from ..cp.checks import check_split_attention, with_padding_mask
 from ..distributed.axes import data_axes_of, same_mesh, sequence_axis_of
 from ..distributed.mesh import axis_sizes, check_mesh, describe_mesh
 from ..distributed.simulate import check_made_outside, is_shapes_only
-from ..formats import storage_view
+from ..formats import storage_view, sync_view
 from ..resharding import Specs, resolve_specs, shard
 from ..sharded import Sharded
 from ..spec import P, format_mesh
@@ -272,6 +272,7 @@ class FSDP:
             (1, 0)
         """
         mode = _mutable_mode(mutable, buffers)
+        sync_view(self.module)  # a 4-bit base's storage view runs with the user's state
         layout = self._layout_for(params)
         given = step_inputs.inputs_for(self)  # what a train_step tells this call, if any
         policy = self.policy
@@ -516,7 +517,8 @@ def fsdp(
         "ff.fsdp(module, mesh)",
         "the module's tensor",
     )
-    # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/).
+    # A quantized base (bitsandbytes 4-bit) is run from a storage copy: packed rows (formats/);
+    # apply() first copies the user's module state (train/eval, peft's adapters) to it.
     module = storage_view(module, wrappers)
     if trainable is not None:
         _check_trainable_dtypes(module, trainable_names(module, trainable))
