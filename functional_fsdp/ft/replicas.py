@@ -24,6 +24,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from .._tree import NAMESPACE, keystr
 from ..distributed.mesh import axis_sizes
@@ -163,8 +164,6 @@ class ReplicaGroup:
             raise ImportError(
                 "ReplicaGroup needs torchft: pip install 'functional_fsdp[ft]' (or torchft)."
             ) from e
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             raise RuntimeError(
                 "ReplicaGroup: initialise this group's processes first (torchrun, or "
@@ -212,17 +211,10 @@ class ReplicaGroup:
         # torchft heals rank by rank (each rank from a source group picked for its group
         # rank), so one rank of this group may have taken a state while the others kept
         # theirs. The group's batch counts only if none did: each rank holds a shard of it.
-        import torch.distributed as dist
-
         kept = torch.tensor([1.0 if healed is None else 0.0])
         dist.all_reduce(kept, op=dist.ReduceOp.MIN)
         self.contributes = float(kept)
         return state if healed is None else healed
-
-    @property
-    def participants(self) -> int:
-        """How many groups take part in the current step."""
-        return self._manager.num_participants()
 
     def sum(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sums over the quorum's groups of ``tensors``: one all-reduce, in float32
@@ -234,7 +226,7 @@ class ReplicaGroup:
         flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
         if not self.contributes:  # a joining group's step: its values (even NaN) count nothing
             flat = torch.zeros_like(flat)
-        self._manager.allreduce(flat, reduce_op=_sum_op()).wait()
+        self._manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         out, at = [], 0
         for t in tensors:
             out.append(flat[at : at + t.numel()].reshape(t.shape).to(t.dtype))
@@ -258,12 +250,6 @@ class ReplicaGroup:
         if self._manager is not None:
             self._manager.shutdown(wait=False)
             self._manager = None
-
-
-def _sum_op() -> Any:
-    from torch.distributed import ReduceOp
-
-    return ReduceOp.SUM
 
 
 def _mismatch(
