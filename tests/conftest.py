@@ -8,7 +8,6 @@ breaks one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -50,12 +49,8 @@ class Pools:
 @pytest.fixture(scope="session")
 def pools() -> Iterator[Pools]:
     yield Pools()
-    # Each pool still closes cleanly (barrier, destroy_process_group, a worker exit with its
-    # modules torn down: seconds for workers that imported transformers, jax or inductor),
-    # all of them at once: one after the other took 8-10 s at the end of the suite.
-    with ThreadPoolExecutor(max(1, len(_POOLS))) as closer:
-        for done in [closer.submit(pool.close) for pool in _POOLS.values()]:
-            done.result()  # a failed close still fails the session's teardown
+    for pool in _POOLS.values():
+        pool.close()
     _POOLS.clear()
 
 
