@@ -191,6 +191,20 @@ class ReplicaGroup:
             init_sync=False,
         )
 
+    def connect(self) -> None:
+        """Join the job now: start this group's torchft manager, which registers with the
+        lighthouse (the first step does it otherwise). Groups that all connect before any of
+        them steps are all in the first quorum; one that connects later joins a later
+        quorum and takes the state from a healthy group.
+
+        Example:
+            >>> import functional_fsdp as ff
+            >>> group = ff.ft.ReplicaGroup("0")
+            >>> group.connect()  # doctest: +SKIP
+        """
+        if self._manager is None:
+            self._manager = self._start()
+
     # What train_step calls, in order, once per step.
     def begin(self, state: Any) -> Any:
         """Form this step's quorum; return the state to step from (a healthy group's when
@@ -201,8 +215,7 @@ class ReplicaGroup:
                 "ff.jit cannot trace a step with replicas= (its quorum, commit vote and state "
                 "transfer run on the host each step): run that step eagerly."
             )
-        if self._manager is None:
-            self._manager = self._start()
+        self.connect()
         self._current, self._received = state, None
         self._manager.start_quorum()
         if self._manager.errored() is not None:
