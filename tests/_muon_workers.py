@@ -47,9 +47,10 @@ def decay_matrices(p: Any) -> Any:
 
 DIMS_TREE = {"w": MDN(1, 0), "c": MDN(), "q": None, "t": MDN((0, 1), 2), "b": None, "embed": MDN()}
 
-CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
-    "defaults": lambda: ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name),
-    "options": lambda: ff.contrib.muon(
+
+def _options(**budget: Any) -> ff.GradientTransformation:
+    """Every option of optax's signature, positional where optax's order allows."""
+    return ff.contrib.muon(
         2e-2,
         "dion",
         5,
@@ -65,7 +66,13 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
         adam_learning_rate=5e-3,
         muon_weight_dimension_numbers=DIMS_TREE,
         consistent_rms=0.2,
-    ),
+        **budget,
+    )
+
+
+CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
+    "defaults": lambda: ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name),
+    "options": lambda: _options(),
     "schatten": lambda: ff.contrib.muon(
         1e-2, ns_steps=4, preconditioning="schatten", muon_weight_dimension_numbers=by_name
     ),
@@ -86,7 +93,27 @@ CASES: dict[str, Callable[[], ff.GradientTransformation]] = {
     "multi_steps": lambda: ff.MultiSteps(
         ff.contrib.muon(1e-2, muon_weight_dimension_numbers=by_name), 2
     ),
+    # Over matrix_budget_bytes=90 (float32: q 100 B, t 96 B; float64: every matrix), a
+    # matrix is orthogonalized by all ranks together; optax's numbers are the same.
+    "split": lambda: ff.contrib.muon(
+        1e-2, muon_weight_dimension_numbers=by_name, matrix_budget_bytes=90
+    ),
+    "split_options": lambda: _options(matrix_budget_bytes=90),
+    "split_spectral": lambda: ff.contrib.muon(
+        1e-2,
+        preconditioning="spectral",
+        muon_weight_dimension_numbers=by_name,
+        matrix_budget_bytes=90,
+    ),
+    "split_schatten": lambda: ff.contrib.muon(
+        1e-2,
+        ns_steps=4,
+        preconditioning="schatten",
+        muon_weight_dimension_numbers=by_name,
+        matrix_budget_bytes=90,
+    ),
 }
+BUDGET = {"split": 90, "split_options": 90, "split_spectral": 90, "split_schatten": 90}
 
 
 def run(name: str, p: Any, steps: list[Any]) -> Any:
@@ -137,11 +164,16 @@ def on_ranks(names: list[tuple[str, str, str]], steps: int) -> dict[str, Any]:
     calls of this rank (by leaf shape) in the first layout's first step."""
     out: dict[str, Any] = {}
     calls: list[tuple[int, ...]] = []
-    original = M.orthogonalize_via_newton_schulz
+    split_calls: list[tuple[int, ...]] = []
+    original, original_split = M.orthogonalize_via_newton_schulz, M.orthogonalize_split
 
     def counted(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
         calls.append(tuple(x.shape))
         return original(x, *args, **kw)
+
+    def counted_split(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        split_calls.append(tuple(args[-1].shape))
+        return original_split(x, *args, **kw)
 
     meshes: dict[tuple[tuple[str, int], ...], Any] = {}
     for layout, name, dtype_name in names:
@@ -154,7 +186,9 @@ def on_ranks(names: list[tuple[str, str, str]], steps: int) -> dict[str, Any]:
         p = ff.shard(params(dtype), mesh, specs)
         seq = [ff.shard(g, mesh, specs) for g in grads(steps, dtype)]
         calls.clear()
+        split_calls.clear()
         M.orthogonalize_via_newton_schulz = counted
+        M.orthogonalize_split = counted_split
         try:
             opt = CASES[name]()
             state = opt.init(p)
@@ -163,12 +197,14 @@ def on_ranks(names: list[tuple[str, str, str]], steps: int) -> dict[str, Any]:
                     updates, state = opt.update(g, state, p)
                     p = ff.apply_updates(p, updates)
                     if i == 0:
-                        first_calls = list(calls)
+                        first_calls, first_split = list(calls), list(split_calls)
         finally:
             M.orthogonalize_via_newton_schulz = original
+            M.orthogonalize_split = original_split
         out[f"{layout}/{name}/{dtype_name}"] = {
             "params": {k: v.clone() for k, v in ff.gather(p).items()},
             "calls": first_calls,
+            "split_calls": first_split,
             "all_to_all": comms.bytes("all_to_all") // steps,
         }
     return out
@@ -182,6 +218,10 @@ def llama_rule(path: str, p: Any) -> Any:
     if p.ndim != 2 or "embed" in path or "lm_head" in path:
         return None
     return MDN(1, 0)
+
+
+# gate, up and down (40 x 24 float32, 3,840 B) over it: split; q, k, v, o (2,304 B) whole.
+LLAMA_BUDGET = 3000
 
 
 def llama() -> torch.nn.Module:
@@ -223,16 +263,20 @@ def llama_reference(steps: int) -> dict[str, torch.Tensor]:
 def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
     """``train_step`` with Muon on a Llama: FSDP with donation; FSDP compiled by ``ff.jit``
     (traced into one graph); ZeRO-2 (params replicated, optimizer shards over dp) under
-    master_weights; FSDP + TP on (dp, tp)."""
+    master_weights; FSDP + TP on (dp, tp); ``*_split``: with the MLP's matrices over
+    ``matrix_budget_bytes``, orthogonalized by all ranks together."""
     out: dict[str, Any] = {}
     world = torch.distributed.get_world_size()
     for layout in layouts:
         model = llama()
         rule = llama_rule
-        opt: ff.GradientTransformation = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=rule)
+        budget = LLAMA_BUDGET if layout.endswith("_split") else None
+        opt: ff.GradientTransformation = ff.contrib.muon(
+            2e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=budget
+        )
         create: dict[str, Any] = {}
         donate = False
-        if layout in ("fsdp_donate", "fsdp_jit"):
+        if layout in ("fsdp_donate", "fsdp_jit", "fsdp_split"):
             mesh = ff.make_mesh({"dp": world})
             f = ff.fsdp(model, mesh)
             donate = layout == "fsdp_donate"
@@ -264,6 +308,7 @@ def llama_on_ranks(layouts: list[str], steps: int) -> dict[str, Any]:
         out[layout] = {
             "params": {k: v.clone() for k, v in params.items()},
             "all_to_all": comms.bytes("all_to_all") // steps,
+            "all_reduce": comms.bytes("all_reduce") // steps,
             "exchange_peak": _exchange_peak(*captured[0]) if captured else None,
         }
     return out
@@ -286,14 +331,17 @@ def _capturing_exchange(captured: list[Any], on: bool) -> Iterator[None]:
         M._on_owners = original
 
 
+def _identity(x: torch.Tensor, dims: Any, split: Any = None) -> torch.Tensor:
+    return x
+
+
 def _exchange_peak(mesh: Any, leaves: list[Any]) -> int:
     """The peak of tensor memory the exchange adds on this rank, measured by torch's
     profiler, with Newton-Schulz replaced by the identity (its result is then the matrix
     whole: the same bytes, without its temporaries); the least of 3 runs."""
     torch.distributed.barrier()
     return min(
-        ff.tensor_peak(lambda: M._on_owners(mesh, leaves, lambda x, d: x)).added_bytes
-        for _ in range(3)
+        ff.tensor_peak(lambda: M._on_owners(mesh, leaves, _identity)).added_bytes for _ in range(3)
     )
 
 

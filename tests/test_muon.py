@@ -6,6 +6,7 @@ balanced by flops."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -80,6 +81,12 @@ OPTAX = {
         optax.contrib.muon(1e-2, muon_weight_dimension_numbers=_optax_by_name), 2
     ),
 }
+OPTAX.update(
+    split=OPTAX["defaults"],
+    split_options=OPTAX["options"],
+    split_spectral=OPTAX["spectral"],
+    split_schatten=OPTAX["schatten"],
+)
 assert set(OPTAX) == set(W.CASES)
 TOL = {"float32": dict(rtol=1e-4, atol=2e-5), "float64": dict(rtol=1e-10, atol=1e-12)}
 
@@ -184,21 +191,23 @@ def test_errors_name_the_leaf_and_the_fix() -> None:
         )
 
 
-def test_a_matrix_over_the_budget_is_refused_by_name() -> None:
-    """matrix_budget_bytes: init (and so TrainState.create and ff.plan) refuses a matrix whose
-    momentum takes more bytes whole, naming it, its shape, spec, mesh, the budget and the
-    fixes; at the budget, the numbers are unchanged."""
+def test_a_matrix_over_the_budget_is_split_or_refused_by_name() -> None:
+    """matrix_budget_bytes: a matrix over it, sharded over several ranks, is orthogonalized
+    by all of them together (the gloo tests below check the numbers); one that is not (a
+    plain tensor) is refused at init by name, with the fixes. At the budget, nothing
+    changes; ff.plan prices the split."""
     rule = W.by_name  # w (7, 3), c (3, 7), q (5, 5), t (2, 3, 4) to Muon
+    over = ff.contrib.muon(1e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=99)
+    with pytest.raises(
+        ValueError,
+        match=r"muon.*: q of shape \(5, 5\) \(torch.float32\) takes 100 B whole, over "
+        r"matrix_budget_bytes=99, and is not sharded over several ranks.*ff.shard.*"
+        r"at least 100.*Adam",
+    ):
+        over.init(W.params())
     full = W.params()
     with ff.simulated_mesh({"dp": 2}) as mesh:
-        p = ff.shard(full, mesh, W.LAYOUTS["fsdp"][1])
-        over = ff.contrib.muon(1e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=99)
-        with pytest.raises(
-            ValueError,
-            match=r"muon.*: q of shape \(5, 5\) \(torch.float32, spec P\('dp'.*\) on mesh "
-            r"\{'dp': 2\}\) takes 100 B whole.*over matrix_budget_bytes=99.*at least 100.*Adam",
-        ):
-            over.init(p)
+        over.init(ff.shard(full, mesh, W.LAYOUTS["fsdp"][1]))  # split, not refused
     grads = W.grads(3)
     at = W.run("defaults", W.params(), grads)
     budget = ff.contrib.muon(1e-2, muon_weight_dimension_numbers=rule, matrix_budget_bytes=100)
@@ -207,10 +216,18 @@ def test_a_matrix_over_the_budget_is_refused_by_name() -> None:
         u, state = budget.update(g, state, ours)
         ours = ff.apply_updates(ours, u)
     assert all(torch.equal(ours[k], at[k]) for k in at)
+    # The planner: 1.weight (512 B) is split over both ranks: each holds half of it (the
+    # owners' exchange holds 0.weight whole on one rank), and the split adds all-reduces.
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
-    small = ff.contrib.muon(1e-2, matrix_budget_bytes=300)
-    with pytest.raises(ValueError, match=r"1.weight of shape \(16, 8\).*takes 512 B"):
-        ff.plan(model, {"dp": 2}, optimizer=small)
+    whole = ff.plan(model, {"dp": 2}, optimizer=ff.contrib.muon(1e-2))
+    split = ff.plan(model, {"dp": 2}, optimizer=ff.contrib.muon(1e-2, matrix_budget_bytes=300))
+    assert split.owner_peak_bytes < whole.owner_peak_bytes
+
+    def reduced(report: Any) -> int:
+        return sum(c.bytes for c in report.comms if c.kind == "all_reduce")
+
+    # Per Newton-Schulz step one 8 x 8 float32 X Xᵀ, and one norm: 5 * 256 + 4 bytes.
+    assert reduced(split) - reduced(whole) == 5 * 8 * 8 * 4 + 4
     with pytest.raises(TypeError, match="matrix_budget_bytes must be a positive int"):
         ff.contrib.muon(1e-2, matrix_budget_bytes=0).init(W.params())
 
@@ -253,6 +270,9 @@ def test_simulated_mesh_gives_the_same_numbers() -> None:
 
 
 RANK_CASES_2 = [
+    ("fsdp", "split", "float32"),
+    ("columns", "split_spectral", "float64"),
+    ("ddp", "split_schatten", "float32"),
     ("fsdp", "defaults", "float32"),
     ("fsdp", "options", "float64"),
     ("columns", "defaults", "float64"),
@@ -268,6 +288,10 @@ RANK_CASES_4 = [
     ("hsdp", "defaults", "float64"),
     ("dp_tp", "defaults", "float32"),
     ("dp_tp", "options", "float64"),
+    ("fsdp4", "split_options", "float64"),
+    ("hsdp", "split", "float32"),
+    ("dp_tp", "split_options", "float32"),
+    ("dp_tp", "split", "float64"),
 ]
 
 
@@ -278,10 +302,21 @@ MUON_LEAVES = {
 }
 
 
+def _muon_leaves(name: str, dtype: str) -> tuple[dict[str, Any], set[str]]:
+    """The case's Muon leaves (name: dimension numbers), and those over its budget."""
+    leaves = MUON_LEAVES.get(name.removeprefix("split_"), BY_NAME)
+    size = getattr(torch, dtype).itemsize
+    budget = W.BUDGET.get(name, math.inf)
+    return leaves, {k for k in leaves if math.prod(W.SHAPES[k]) * size > budget}
+
+
 def _predicted_bytes(layout: str, name: str, dtype: str) -> list[int]:
     axes, specs = W.LAYOUTS[layout]
-    leaves = MUON_LEAVES.get(name, BY_NAME)
-    matrices = [(W.SHAPES[k], specs[k], leaves[k]) for k in sorted(leaves)]  # the tree's order
+    leaves, split = _muon_leaves(name, dtype)
+    matrices = [  # in the tree's order
+        (W.SHAPES[k], specs[k], leaves[k], getattr(torch, dtype), k in split)
+        for k in sorted(leaves)
+    ]
     return M.exchange_bytes(matrices, axes, getattr(torch, dtype).itemsize)
 
 
@@ -294,12 +329,17 @@ def _check_ranks(results: list[dict[str, Any]], cases: list[tuple[str, str, str]
         ref = _optax_run(name, dtype)
         for r in results:
             _assert_close(r[key]["params"], ref, key, dtype)
-        # Each matrix orthogonalized exactly once per step, over all ranks together.
+        # Each whole matrix orthogonalized exactly once per step, over all ranks together;
+        # each split one by every rank, on its block. by_name: w, c, q, t (embed and b go
+        # to Adam); options: w, c, t, embed; inject_schedule (optax's default rule): w, c,
+        # q, embed. MultiSteps: none on step 1.
+        leaves, split = _muon_leaves(name, dtype)
+        whole = 0 if name == "multi_steps" else len(leaves) - len(split)
         calls = [c for r in results for c in r[key]["calls"]]
-        n_matrices = 4  # by_name: w, c, q, t (embed and b go to Adam); options: w, c, t, embed;
-        # inject_schedule (optax's default rule): w, c, q, embed. MultiSteps: none on step 1.
-        assert len(calls) == (0 if name == "multi_steps" else n_matrices), (key, calls)
-        assert all(len(r[key]["calls"]) <= -(-n_matrices // world) + 1 for r in results), key
+        assert len(calls) == whole, (key, calls)
+        assert all(len(r[key]["calls"]) <= -(-whole // world) + 1 for r in results), key
+        expected = sorted(W.SHAPES[k] for k in split)
+        assert all(sorted(r[key]["split_calls"]) == expected for r in results), key
 
 
 @pytest.mark.multiprocess
@@ -319,10 +359,11 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
     ranks, FSDP + TP on 2 x 2, each equal to one process; ff.plan prices the all-to-alls rank
     0 sends."""
     ref = W.llama_reference(3)
-    on_two = ["fsdp_donate", "fsdp_jit", "zero2_masters"]
+    on_two = ["fsdp_donate", "fsdp_jit", "zero2_masters", "fsdp_split"]
+    on_four = ["dp_tp", "dp_tp_split"]
     two = pools.run(2, W.llama_on_ranks, on_two, 3)
-    four = pools.run(4, W.llama_on_ranks, ["dp_tp"], 3)
-    for results, layouts in ((two, on_two), (four, ["dp_tp"])):
+    four = pools.run(4, W.llama_on_ranks, on_four, 3)
+    for results, layouts in ((two, on_two), (four, on_four)):
         for layout in layouts:
             for r in results:
                 for k, v in ref.items():
@@ -341,17 +382,18 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
     muon = ff.contrib.muon(2e-2, muon_weight_dimension_numbers=W.llama_rule)
     from functional_fsdp.models import llama_plan
 
+    split = ff.contrib.muon(
+        2e-2, muon_weight_dimension_numbers=W.llama_rule, matrix_budget_bytes=W.LLAMA_BUDGET
+    )
+    tp_plan = llama_plan(model.config, loss_parallel=False)
     plans = {
         "fsdp_donate": ff.plan(model, {"dp": 2}, optimizer=muon),
+        "fsdp_split": ff.plan(model, {"dp": 2}, optimizer=split),
+        "dp_tp_split": ff.plan(model, {"dp": 2, "tp": 2}, optimizer=split, tp_plan=tp_plan),
         "zero2_masters": ff.plan(
             model, {"dp": 2}, specs=ff.P(), opt_specs=ff.P("dp"), optimizer=muon
         ),
-        "dp_tp": ff.plan(
-            model,
-            {"dp": 2, "tp": 2},
-            optimizer=muon,
-            tp_plan=llama_plan(model.config, loss_parallel=False),
-        ),
+        "dp_tp": ff.plan(model, {"dp": 2, "tp": 2}, optimizer=muon, tp_plan=tp_plan),
     }
     measured = {**two[0], **four[0]}
     for layout, report in plans.items():
@@ -359,11 +401,23 @@ def test_llama_train_step_on_layouts_equals_one_process(pools: Any) -> None:
         assert priced == measured[layout]["all_to_all"], layout
     # ... and the owners' memory, rank by rank: the peak of tensor memory the exchange of
     # the step's own momentum adds, measured by torch's profiler on each gloo rank.
-    for results, layouts in ((two, ["fsdp_donate", "zero2_masters"]), (four, ["dp_tp"])):
+    for results, layouts in (
+        (two, ["fsdp_donate", "zero2_masters", "fsdp_split"]),
+        (four, ["dp_tp", "dp_tp_split"]),
+    ):
         for layout in layouts:
             held = [r[layout]["exchange_peak"] for r in results]
             assert list(plans[layout].owner_bytes) == held, (layout, held)
             assert plans[layout].owner_peak_bytes == max(held) > 0, layout
+    # A split matrix adds one all-reduce per Newton-Schulz step and one for its norm: the
+    # plan's extra all-reduce bytes are the step's.
+    for whole, split_layout in (("fsdp_donate", "fsdp_split"), ("dp_tp", "dp_tp_split")):
+
+        def reduced(report: Any) -> int:
+            return sum(c.bytes for c in report.comms if c.kind == "all_reduce")
+
+        extra = reduced(plans[split_layout]) - reduced(plans[whole])
+        assert extra == measured[split_layout]["all_reduce"] - measured[whole]["all_reduce"] > 0
     report = plans["fsdp_donate"]
     without = ff.plan(model, {"dp": 2}, optimizer="adamw")
     assert report.peak_bytes - report.owner_peak_bytes < without.peak_bytes  # one moment

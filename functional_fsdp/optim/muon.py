@@ -35,10 +35,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import optree
@@ -47,9 +45,19 @@ import torch
 from .._tree import dotted
 from ..distributed import collectives as C
 from ..distributed import process
+from ..distributed.accounting import labelled
 from ..distributed.axes import axis_sizes, mesh_grid
 from ..distributed.simulate import is_simulated
-from ..sharded import Sharded, unpad
+from ..sharded import Sharded
+from . import _muon_exchange as X
+from ._muon_exchange import COMM_LABEL as COMM_LABEL
+from ._muon_exchange import exchange_bytes as exchange_bytes
+from ._muon_exchange import exchange_memory as exchange_memory
+from ._muon_exchange import recording_exchanges as recording_exchanges
+from ._muon_shapes import MuonDimensionNumbers as MuonDimensionNumbers
+from ._muon_shapes import _axes, _check_dims, _fans
+from ._muon_shapes import assign_owners as assign_owners
+from ._muon_shapes import ns_flops as ns_flops
 from ._tree import check_dtype, check_real, check_tensor_tree, leaves_like, zeros_like_tree
 from .schedules import Schedule
 from .transforms import (
@@ -82,24 +90,6 @@ DION_NS_COEFFS = (
 NS_COEFFS_PRESETS = {"standard": DEFAULT_NS_COEFFS, "dion": DION_NS_COEFFS}
 
 
-class MuonDimensionNumbers(NamedTuple):
-    """Which dims of a weight are the matrix's reduction (input) and output dims, optax's.
-
-    optax's default, ``reduction_axis=0, output_axis=1``, is JAX's ``x @ W`` layout
-    ``[in, out]``. A ``torch.nn.Linear`` weight is ``[out, in]``: pass
-    ``MuonDimensionNumbers(reduction_axis=1, output_axis=0)`` for optax's width scaling of
-    such weights (the orthogonalization itself is the same either way). Dims in neither are
-    batch dims, each orthogonalized on its own.
-
-    Example:
-        >>> MuonDimensionNumbers()
-        MuonDimensionNumbers(reduction_axis=0, output_axis=1)
-    """
-
-    reduction_axis: Sequence[int] | int = 0
-    output_axis: Sequence[int] | int = 1
-
-
 # A tree of MuonDimensionNumbers (None: not a Muon leaf) like the params or a prefix of
 # them, fn(params) returning one, or a predicate fn(dotted_path, leaf).
 WeightDimNumOrFn = Any
@@ -123,41 +113,25 @@ class MuonState(NamedTuple):
 # --------------------------------------------------------------------------- Newton-Schulz
 
 
-def _axes(ndim: int, dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    red = (dims.reduction_axis,) if isinstance(dims.reduction_axis, int) else dims.reduction_axis
-    out = (dims.output_axis,) if isinstance(dims.output_axis, int) else dims.output_axis
-    return tuple(a % ndim for a in red), tuple(a % ndim for a in out)
-
-
-def _fans(shape: Sequence[int], dims: MuonDimensionNumbers) -> tuple[int, int]:
-    red, out = _axes(len(shape), dims)
-    return math.prod(shape[a] for a in red), math.prod(shape[a] for a in out)
-
-
-def _check_dims(where: str, shape: Sequence[int], dims: MuonDimensionNumbers) -> None:
-    if len(shape) < 2:
-        raise ValueError(
-            f"{where}: shape {tuple(shape)} is not a matrix: Muon orthogonalizes leaves of "
-            f"rank >= 2. Give it None in muon_weight_dimension_numbers (it then goes to the "
-            f"Adam branch)."
-        )
-    red, out = _axes(len(shape), dims)
-    if set(red) & set(out):
-        raise ValueError(
-            f"{where}: reduction axes {red} and output axes {out} of {dims} overlap for shape "
-            f"{tuple(shape)}; they must be disjoint."
-        )
-
-
-def _ns_step(x: torch.Tensor, c: torch.Tensor, first: bool, kind: str, eps: float) -> torch.Tensor:
+def _ns_step(
+    x: torch.Tensor,
+    c: torch.Tensor,
+    first: bool,
+    kind: str,
+    eps: float,
+    psum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """One quintic step ``c0 X + (c1 A + c2 A A) X``, ``A = X Xᵀ`` (optax's order of
-    operations); the first step of ``aol``/``schatten`` rescales ``X`` first."""
-    a = x @ x.T
+    operations; ``A`` summed by ``psum`` over the blocks of a split matrix); the first step
+    of ``aol``/``schatten`` rescales ``X`` first. ``x`` may be a batch of matrices."""
+    a = x @ x.mT
+    if psum is not None:
+        a = psum(a)
     if first and kind == "aol":
         s = torch.rsqrt(torch.clamp(a.abs().sum(-1), min=eps)).unsqueeze(-1)
-        x, a = x * s, a * s * s.T
+        x, a = x * s, a * s * s.mT
     elif first and kind == "schatten":
-        s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(a), min=eps)).reshape(1, 1)
+        s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(a), min=eps))[..., None, None]
         x, a = x * s, a * s**2
     b = c[1] * a + (c[2] * a) @ a
     return c[0] * x + b @ x
@@ -229,6 +203,54 @@ def orthogonalize_via_newton_schulz(
     return torch.stack(results).reshape(shape).permute(inverse)
 
 
+def orthogonalize_split(
+    block: torch.Tensor,
+    ns_coeffs: Any,
+    ns_steps: int,
+    preconditioning: Preconditioning,
+    eps: float,
+    dimension_numbers: MuonDimensionNumbers,
+    split: Split,
+) -> torch.Tensor:
+    """This rank's block of a matrix split over ranks, orthogonalized together with the
+    other ranks' blocks: :func:`orthogonalize_via_newton_schulz`'s iteration, where each
+    step's ``X Xᵀ`` (of the matrix's shorter side, which every block holds whole) is the sum
+    of the blocks' own products, one all-reduce per step (and one for the norm).
+
+    ``block`` is cut along :func:`~functional_fsdp.optim._muon_shapes.split_dim` (the major
+    dim of the longer side), whole on every other dim; any cut of that side works, since
+    ``X Xᵀ`` is a sum over its columns and ``B X`` acts on each column alone. ``spectral``
+    takes the largest singular value as the square root of ``X Xᵀ``'s largest eigenvalue.
+    """
+    shape = split.shape
+    coeffs = _coeff_tensor(ns_coeffs).to(device=block.device, dtype=block.dtype)
+    steps = [coeffs] * int(ns_steps) if coeffs.ndim == 1 else list(coeffs)
+    red, out = _axes(len(shape), dimension_numbers)
+    batch = tuple(a for a in range(len(shape)) if a not in red and a not in out)
+    order = batch + red + out
+    x = block.permute(order).reshape(
+        math.prod(block.shape[a] for a in batch),
+        math.prod(block.shape[a] for a in red),
+        math.prod(block.shape[a] for a in out),
+    )
+    fan_in, fan_out = _fans(shape, dimension_numbers)
+    transposed = fan_in > fan_out  # optax's orientation: the shorter side first
+    if transposed:
+        x = x.mT
+    if preconditioning == "frobenius":
+        norm = torch.sqrt(split.psum(x.square().sum((-2, -1))))
+        x = x / (norm + eps)[:, None, None]
+    elif preconditioning == "spectral":
+        top = torch.linalg.eigvalsh(split.psum(x @ x.mT))[:, -1]
+        x = x / (torch.sqrt(torch.clamp(top, min=0)) + eps)[:, None, None]
+    for i, c in enumerate(steps):
+        x = _ns_step(x, c, i == 0, preconditioning, eps, split.psum)
+    if transposed:
+        x = x.mT
+    inverse = sorted(range(len(shape)), key=lambda i: order[i])
+    return x.reshape([block.shape[a] for a in order]).permute(inverse)
+
+
 def _coeff_tensor(ns_coeffs: Any) -> torch.Tensor:
     """The coefficients as a float64 tensor (from floats, or from the float64 scalar tensors
     that apply_if_finite makes of a state's numbers), without reading a device value."""
@@ -262,37 +284,6 @@ def _check_coeffs(ns_coeffs: Any, ns_steps: int) -> tuple[Any, ...]:
     return tuple(float(v) for v in coeffs.tolist())
 
 
-def ns_flops(shape: Sequence[int], dims: MuonDimensionNumbers, ns_steps: int) -> int:
-    """Multiply-add flops (×2) of orthogonalizing a whole leaf of ``shape``: per matrix of
-    ``m <= n`` and per step, ``X Xᵀ`` (2m²n), ``A A`` (2m³) and ``B X`` (2m²n).
-
-    Example:
-        >>> ns_flops((4, 8), MuonDimensionNumbers(), 5)
-        3200
-    """
-    fan_in, fan_out = _fans(shape, dims)
-    m, n = sorted((fan_in, fan_out))
-    batch = math.prod(shape) // max(1, fan_in * fan_out)
-    return batch * ns_steps * (4 * m * m * n + 2 * m**3)
-
-
-def assign_owners(flops: Sequence[int], ranks: int) -> list[int]:
-    """An owner rank per matrix, balancing the flops: largest first, each to the rank with
-    the least work so far (ties to the lower rank; equal matrices in their order).
-
-    Example:
-        >>> assign_owners([10, 1, 9, 2, 8], 2)
-        [0, 0, 1, 0, 1]
-    """
-    heap = [(0, r) for r in range(ranks)]
-    owners = [0] * len(flops)
-    for i in sorted(range(len(flops)), key=lambda i: (-flops[i], i)):
-        load, r = heapq.heappop(heap)
-        owners[i] = r
-        heapq.heappush(heap, (load + flops[i], r))
-    return owners
-
-
 # --------------------------------------------------------------------------- whole matrices
 
 
@@ -301,11 +292,22 @@ class _Leaf(NamedTuple):
     value: Any  # the Sharded (or plain tensor) whose layout the momentum has
     local: torch.Tensor  # this rank's block of the momentum estimate to orthogonalize
     dims: MuonDimensionNumbers
+    split: bool = False  # over the budget: orthogonalized by all ranks of its mesh together
 
 
-def _orthogonalize_all(
-    leaves: list[_Leaf], ns: Callable[[torch.Tensor, MuonDimensionNumbers], torch.Tensor]
-) -> list[torch.Tensor]:
+class Split(NamedTuple):
+    """What :func:`orthogonalize_split` needs besides a rank's block: the matrix's global
+    shape, and the sum over the ranks that hold its other blocks."""
+
+    shape: tuple[int, ...]
+    psum: Callable[[torch.Tensor], torch.Tensor]
+
+
+# ns(x, dims, split): x whole (split None), or this rank's block of a split matrix.
+Orthogonalize = Callable[..., torch.Tensor]
+
+
+def _orthogonalize_all(leaves: list[_Leaf], ns: Orthogonalize) -> list[torch.Tensor]:
     """Each leaf's block of its whole matrix, orthogonalized by ``ns``."""
     out: list[torch.Tensor | None] = [None] * len(leaves)
     spread: dict[Any, list[int]] = {}
@@ -323,11 +325,9 @@ def _orthogonalize_all(
     return out  # type: ignore[return-value]
 
 
-def _on_simulated(
-    leaves: list[_Leaf], ns: Callable[[torch.Tensor, MuonDimensionNumbers], torch.Tensor]
-) -> list[torch.Tensor]:
+def _on_simulated(leaves: list[_Leaf], ns: Orthogonalize) -> list[torch.Tensor]:
     """A simulated mesh runs one all-to-all size for every rank: each rank gathers and
-    orthogonalizes every matrix (the same numbers, without the balance)."""
+    orthogonalizes every matrix (the same numbers, without the balance or the split)."""
     from ..resharding import gather, shard
 
     out = []
@@ -338,301 +338,41 @@ def _on_simulated(
     return out
 
 
-def _on_owners(
-    mesh: Any,
-    leaves: list[_Leaf],
-    ns: Callable[[torch.Tensor, MuonDimensionNumbers], torch.Tensor],
-) -> list[torch.Tensor]:
-    """Each matrix to its owner (one all-to-all per dtype), orthogonalized there, and each
-    rank's blocks back (another)."""
+def _on_owners(mesh: Any, leaves: list[_Leaf], ns: Orthogonalize) -> list[torch.Tensor]:
+    """Each whole matrix to its owner and each split one to every rank's region (one
+    all-to-all per dtype), orthogonalized there, and each rank's blocks back (another)."""
     grid = mesh_grid(mesh)
     coords = [grid.coordinate(r) for r in grid.ranks]
     me = grid.ranks.index(process.rank())
-    owners = plan_owners(mesh, [(tuple(x.value.global_shape), x.dims) for x in leaves])
-    for book in _RECORDERS:
-        book.append(
-            (
-                axis_sizes(mesh),
-                [
-                    (tuple(x.value.global_shape), x.value.spec, x.dims, x.local.dtype)
-                    for x in leaves
-                ],
-            )
-        )
+    sizes = axis_sizes(mesh)
+    matrices = [
+        X.Matrix(tuple(x.value.global_shape), x.value.spec, x.dims, x.local.dtype, x.split)
+        for x in leaves
+    ]
+    X.record(sizes, matrices)
+    routes = X.routes(matrices, sizes)
+    axes = tuple(sizes)
+
+    def psum(t: torch.Tensor) -> torch.Tensor:
+        with labelled(COMM_LABEL):  # the optimizer's, over every axis (tp too)
+            return C.wait(C.raw_all_reduce(t, mesh, axes))
+
     out: list[torch.Tensor | None] = [None] * len(leaves)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(leaf.local.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
-        chosen = [leaves[i] for i in indices]
-        _exchange(mesh, coords, me, chosen, [owners[i] for i in indices], dtype, ns, out, indices)
+    for indices in by_dtype.values():
+        items = [X.Item(leaves[i].value.layout, leaves[i].local, routes[i]) for i in indices]
+
+        def orthogonalize(k: int, region: torch.Tensor, indices: list[int] = indices) -> Any:
+            m = matrices[indices[k]]
+            if m.split:
+                return ns(region, m.dims, Split(m.shape, psum))
+            return ns(region, m.dims)
+
+        for i, r in zip(indices, X.run(mesh, coords, me, items, orthogonalize)):
+            out[i] = r
     return out  # type: ignore[return-value]
-
-
-def plan_owners(
-    mesh: Any, shapes: Sequence[tuple[tuple[int, ...], MuonDimensionNumbers]]
-) -> list[int]:
-    """The owner (index in the mesh's row-major rank order) of each matrix, by flops (the
-    step count scales every matrix alike, so it does not change the choice)."""
-    n = math.prod(axis_sizes(mesh).values())
-    return assign_owners([ns_flops(s, d, 1) for s, d in shapes], n)
-
-
-def exchange_bytes(
-    matrices: Sequence[tuple[Sequence[int], Any, MuonDimensionNumbers]],
-    axis_sizes: dict[str, int],
-    itemsize: int = 4,
-) -> list[int]:
-    """Bytes each rank sends per step in Muon's two all-to-alls, from shapes alone: the
-    blocks it sends to the owners, plus the blocks of its own matrices it sends back.
-
-    Args:
-        matrices: ``(global shape, spec, dimension numbers)`` of each Muon leaf sharded on the
-            mesh, in the order of the params tree.
-        axis_sizes: the mesh's axes and sizes, in mesh order.
-        itemsize: bytes per element of the momentum (4 for float32).
-
-    Example:
-        >>> from functional_fsdp.spec import P
-        >>> exchange_bytes([((8, 4), P("dp"), MuonDimensionNumbers())] * 2, {"dp": 2})
-        [128, 128]
-    """
-    from ..spec import Layout
-
-    coords = _coordinates(axis_sizes)
-    n = len(coords)
-    owners = assign_owners([ns_flops(tuple(s), d, 1) for s, _, d in matrices], n)
-    sent = [0] * n
-    for (shape, spec, _), o in zip(matrices, owners):
-        layout = Layout.make(tuple(shape), spec, axis_sizes)
-        sizes = [math.prod(x.stop - x.start for x in layout.owned(c)[0]) for c in coords]
-        for k in _sources(layout, coords[o], coords):
-            if k != o:
-                sent[k] += sizes[k] * itemsize
-        sent[o] += sum(sizes[k] for k in range(n) if k != o) * itemsize
-    return sent
-
-
-def exchange_memory(
-    matrices: Sequence[tuple[Sequence[int], Any, MuonDimensionNumbers, torch.dtype]],
-    axis_sizes: dict[str, int],
-) -> list[int]:
-    """The most bytes each rank holds at once in Muon's exchange, from shapes alone.
-
-    Per dtype of momentum (in order of first appearance), a rank holds: in the first
-    all-to-all its send buffer ``S1`` (its blocks for the owners) and its receive buffer
-    ``R1`` (the other blocks of the matrices it owns); then ``R1`` and its matrices whole
-    ``W`` (each orthogonalized in place of its input); in the second all-to-all ``W``, its
-    send buffer ``S2`` (the others' blocks of its results) and its receive buffer ``R2``
-    (its blocks of the others' results); and at the end ``W``, ``R2`` and the blocks it
-    returns ``O`` (its padded shards of the update). The peak is the largest of ``S1 + R1``,
-    ``R1 + W``, ``W + S2 + R2`` and ``W + R2 + O``, on top of the blocks returned for the
-    dtypes before. Newton–Schulz's own temporaries (a few matrices of the size of the one
-    being orthogonalized) are not included.
-
-    Args:
-        matrices: ``(global shape, spec, dimension numbers, momentum dtype)`` of each Muon
-            leaf sharded on the mesh, in the order of the params tree.
-        axis_sizes: the mesh's axes and sizes, in mesh order.
-
-    Example:
-        >>> import torch
-        >>> from functional_fsdp.spec import P
-        >>> m = ((8, 4), P("dp"), MuonDimensionNumbers(), torch.float32)
-        >>> exchange_memory([m, m], {"dp": 2})  # each rank: one matrix whole (128 B)
-        [320, 320]
-    """
-    from ..spec import Layout
-
-    coords = _coordinates(axis_sizes)
-    n = len(coords)
-    owners = assign_owners([ns_flops(tuple(s), d, 1) for s, _, d, _ in matrices], n)
-    peaks = [0] * n
-    returned = [0] * n
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, m in enumerate(matrices):
-        groups.setdefault(m[3], []).append(i)
-    for dtype, chosen in groups.items():
-        size = dtype.itemsize
-        s1, r1, whole, s2, r2, blocks = ([0] * n for _ in range(6))
-        for i in chosen:
-            shape, spec, _, _ = matrices[i]
-            o = owners[i]
-            layout = Layout.make(tuple(shape), spec, axis_sizes)
-            sizes = [math.prod(x.stop - x.start for x in layout.owned(c)[0]) * size for c in coords]
-            for k in _sources(layout, coords[o], coords):
-                if k != o:
-                    s1[k] += sizes[k]
-                    r1[o] += sizes[k]
-            whole[o] += math.prod(shape) * size
-            s2[o] += sum(sizes[k] for k in range(n) if k != o)
-            for k in range(n):
-                if k != o:
-                    r2[k] += sizes[k]
-                blocks[k] += layout.local_numel * size
-        for k in range(n):
-            peak = max(
-                s1[k] + r1[k],
-                r1[k] + whole[k],
-                whole[k] + s2[k] + r2[k],
-                whole[k] + r2[k] + blocks[k],
-            )
-            peaks[k] = max(peaks[k], returned[k] + peak)
-            returned[k] += blocks[k]
-    return peaks
-
-
-def _coordinates(axis_sizes: dict[str, int]) -> list[dict[str, int]]:
-    """Each rank's coordinates, in the mesh's row-major rank order."""
-    names = list(axis_sizes)
-    coords = []
-    for index in range(math.prod(axis_sizes.values())):
-        values = []
-        for name in reversed(names):
-            values.append(index % axis_sizes[name])
-            index //= axis_sizes[name]
-        coords.append(dict(zip(names, reversed(values))))
-    return coords
-
-
-# Open recorders of recording_exchanges(): each gets (axis sizes, matrices) per exchange.
-_RECORDERS: list[list[tuple[dict[str, int], list[Any]]]] = []
-
-
-@contextlib.contextmanager
-def recording_exchanges() -> Iterator[list[tuple[dict[str, int], list[Any]]]]:
-    """Record the exchanges Muon runs inside the block: for each, the mesh's axis sizes and
-    the ``(global shape, spec, dimension numbers, momentum dtype)`` of its matrices (the
-    arguments of :func:`exchange_memory`). The planner prices the owners' memory this way.
-
-    Example:
-        >>> import torch
-        >>> t, g = scale_by_muon(), {"w": torch.ones(2, 2)}
-        >>> with recording_exchanges() as book:
-        ...     _ = t.update(g, t.init(g))
-        >>> book  # one process: nothing to exchange
-        []
-    """
-    book: list[tuple[dict[str, int], list[Any]]] = []
-    _RECORDERS.append(book)
-    try:
-        yield book
-    finally:
-        _RECORDERS.remove(book)
-
-
-def _sources(layout: Any, owner: dict[str, int], coords: list[dict[str, int]]) -> list[int]:
-    """The ranks that send their block to ``owner``: one per distinct block, the one at the
-    owner's coordinate on every axis the value is replicated over."""
-    split = set(layout.spec.axes)
-    return [
-        k for k, c in enumerate(coords) if all(c[a] == owner[a] for a in owner if a not in split)
-    ]
-
-
-def _exchange(
-    mesh: Any,
-    coords: list[dict[str, int]],
-    me: int,
-    leaves: list[_Leaf],
-    owners: list[int],
-    dtype: torch.dtype,
-    ns: Callable[[torch.Tensor, MuonDimensionNumbers], torch.Tensor],
-    out: list[torch.Tensor | None],
-    indices: list[int],
-) -> None:
-    """The two all-to-alls of one dtype's matrices. What a rank holds is what
-    :func:`exchange_memory` prices: a flat send buffer and the receive buffer of each
-    all-to-all (each send buffer freed once sent), the matrices it owns whole (from the
-    first receive until the end), and the blocks it returns."""
-    n = len(coords)
-    layouts = [leaf.value.layout for leaf in leaves]
-    sources = [_sources(lay, coords[o], coords) for lay, o in zip(layouts, owners)]
-
-    def numel(lay: Any, k: int) -> int:
-        return math.prod(s.stop - s.start for s in lay.owned(coords[k])[0])
-
-    # Gather: my block of each matrix to its owner, if I am its source; the owner keeps its own.
-    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    recv_sizes = [0] * n
-    for leaf, lay, o, src in zip(leaves, layouts, owners, sources):
-        if me in src and o != me:
-            send[o].append(unpad(leaf.local, lay, coords[me]))
-        if o == me:
-            for k in src:
-                if k != me:
-                    recv_sizes[k] += numel(lay, k)
-    received = _all_to_all(mesh, send, recv_sizes, dtype, leaves[0].local)
-    full: dict[int, torch.Tensor] = {}
-    offsets = _offsets(recv_sizes)
-    for j, (leaf, lay, o, src) in enumerate(zip(leaves, layouts, owners, sources)):
-        if o != me:
-            continue
-        whole = leaf.local.new_empty(lay.global_shape)
-        for k in src:
-            slices = lay.owned(coords[k])[0]
-            if k == me:
-                whole[slices] = unpad(leaf.local, lay, coords[me])
-            else:
-                size = numel(lay, k)
-                whole[slices] = received[offsets[k] : offsets[k] + size].view(whole[slices].shape)
-                offsets[k] += size
-        full[j] = ns(whole, leaf.dims)
-        del whole
-    C.release(received)
-    del received
-    # Scatter: each rank's block of the matrices I own, from me; mine from their owners.
-    send = [[] for _ in range(n)]
-    recv_sizes = [0] * n
-    for j, (lay, o) in enumerate(zip(layouts, owners)):
-        if o == me:
-            for k in range(n):
-                if k != me:
-                    send[k].append(full[j][lay.owned(coords[k])[0]])
-        else:
-            recv_sizes[o] += numel(lay, me)
-    received = _all_to_all(mesh, send, recv_sizes, dtype, leaves[0].local)
-    offsets = _offsets(recv_sizes)
-    for j, (leaf, lay, o) in enumerate(zip(leaves, layouts, owners)):
-        mine = torch.zeros_like(leaf.local)
-        real = unpad(mine, lay, coords[me])
-        if o == me:
-            real.copy_(full[j][lay.owned(coords[me])[0]])
-        else:
-            size = real.numel()
-            real.copy_(received[offsets[o] : offsets[o] + size].view(real.shape))
-            offsets[o] += size
-        out[indices[j]] = mine
-    C.release(received)
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
-
-
-def _all_to_all(
-    mesh: Any,
-    send: list[list[torch.Tensor]],
-    recv_sizes: list[int],
-    dtype: torch.dtype,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """Copy the blocks (views, any strides) into one flat buffer, send it, free it."""
-    sizes = [sum(p.numel() for p in chunk) for chunk in send]
-    flat = like.new_empty(sum(sizes), dtype=dtype)
-    at = 0
-    for chunk in send:
-        for p in chunk:
-            flat[at : at + p.numel()].view(p.shape).copy_(p)
-            at += p.numel()
-    send.clear()
-    received = C.raw_all_to_all(flat, mesh, sizes, recv_sizes)
-    C.release(flat)
-    return received
 
 
 # --------------------------------------------------------------------------- which leaves
@@ -725,8 +465,11 @@ def scale_by_muon(
         weight_dimension_numbers: see :func:`resolve_dims`; ``None`` is optax's default
             numbers for every leaf (optax raises for a tree of several leaves there).
         matrix_budget_bytes: the most bytes one leaf may take whole (in the momentum's
-            dtype) on the rank that orthogonalizes it; ``init`` refuses a larger one (see
-            :func:`check_budget`). ``None``: no limit. Not optax's (an extension).
+            dtype) on the rank that orthogonalizes it. A larger leaf is orthogonalized by
+            all the ranks of its mesh together, each holding a block of it (see
+            :func:`orthogonalize_split`); ``init`` refuses one that is not sharded over
+            several ranks (see :func:`check_budget`). ``None``: every matrix whole on one
+            rank. Not optax's (an extension).
 
     Example:
         >>> import torch
@@ -773,14 +516,17 @@ def scale_by_muon(
             mu_hat = [m / bc for m in new_mu]
         dims = resolve_dims("scale_by_muon", weight_dimension_numbers, updates)
         leaves = []
-        for path, v, m, d in zip(paths, values, mu_hat, dims):
+        for path, v, m, d, kept in zip(paths, values, mu_hat, dims, mu):
             d = MuonDimensionNumbers() if d is None else d
             _check_dims(f"scale_by_muon: {dotted(path) or '<root>'}", tuple(v.shape), d)
-            leaves.append(_Leaf(dotted(path), v, m, d))
+            split = _over_budget(v, kept.dtype, matrix_budget_bytes) and _splittable(v)
+            leaves.append(_Leaf(dotted(path), v, m, d, split))
         c = state.ns_coeffs
 
-        def ns(x: torch.Tensor, d: MuonDimensionNumbers) -> torch.Tensor:
-            return orthogonalize_via_newton_schulz(x, c, int(ns_steps), preconditioning, eps, d)
+        def ns(x: torch.Tensor, d: MuonDimensionNumbers, split: Split | None = None) -> Any:
+            if split is None:
+                return orthogonalize_via_newton_schulz(x, c, int(ns_steps), preconditioning, eps, d)
+            return orthogonalize_split(x, c, int(ns_steps), preconditioning, eps, d, split)
 
         out = _orthogonalize_all(leaves, ns)
         if adaptive:
@@ -795,12 +541,20 @@ def scale_by_muon(
     return GradientTransformationExtraArgs(init, update)
 
 
-def check_budget(where: str, params: Params, mu_dtype: torch.dtype | None, budget: int) -> None:
-    """Refuse a leaf whose momentum, whole, takes more than ``budget`` bytes.
+def _over_budget(x: Any, dtype: torch.dtype, budget: int | None) -> bool:
+    return budget is not None and math.prod(x.shape) * dtype.itemsize > budget
 
-    Newton–Schulz needs the whole matrix, and one rank (its owner) holds it whole: a leaf
-    above the budget is not split over several ranks (not provided yet); the error names it,
-    and the fixes.
+
+def _splittable(x: Any) -> bool:
+    return isinstance(x, Sharded) and math.prod(axis_sizes(x.mesh).values()) > 1
+
+
+def check_budget(where: str, params: Params, mu_dtype: torch.dtype | None, budget: int) -> None:
+    """Check ``matrix_budget_bytes``, and refuse a leaf over it that cannot be split.
+
+    A leaf whose momentum, whole, takes more than ``budget`` bytes is orthogonalized by all
+    the ranks of its mesh together (see :func:`orthogonalize_split`); a plain tensor, or a
+    value on a one-rank mesh, has no ranks to split over and is refused by name.
 
     Example:
         >>> import torch
@@ -808,26 +562,28 @@ def check_budget(where: str, params: Params, mu_dtype: torch.dtype | None, budge
         ...     check_budget("scale_by_muon", {"w": torch.ones(4, 4)}, None, 32)
         ... except ValueError as e:
         ...     print(str(e).split(". ")[0])
-        scale_by_muon: w of shape (4, 4) (torch.float32) takes 64 B whole on its owner, over matrix_budget_bytes=32
+        scale_by_muon: w of shape (4, 4) (torch.float32) takes 64 B whole, over matrix_budget_bytes=32, and is not sharded over several ranks, so it cannot be split
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise TypeError(f"{where}: matrix_budget_bytes must be a positive int, got {budget!r}.")
     paths, leaves, _ = optree.tree_flatten_with_path(params)
     for path, x in zip(paths, leaves):
         dtype = mu_dtype or x.dtype
+        if not _over_budget(x, dtype, budget) or _splittable(x):
+            continue
+        where_is = ""
+        if isinstance(x, Sharded):
+            where_is = f", spec {x.spec} on mesh {dict(axis_sizes(x.mesh))}"
         nbytes = math.prod(x.shape) * dtype.itemsize
-        if nbytes > budget:
-            where_is = ""
-            if isinstance(x, Sharded):
-                where_is = f", spec {x.spec} on mesh {dict(axis_sizes(x.mesh))}"
-            raise ValueError(
-                f"{where}: {dotted(path) or '<root>'} of shape {tuple(x.shape)} ({dtype}"
-                f"{where_is}) takes {nbytes} B whole on its owner, over matrix_budget_bytes="
-                f"{budget}. Muon orthogonalizes each matrix whole on one rank; splitting one "
-                f"over several ranks is not provided. Raise matrix_budget_bytes to at least "
-                f"{nbytes}, or give this leaf to Adam (None for it in "
-                f"muon_weight_dimension_numbers)."
-            )
+        raise ValueError(
+            f"{where}: {dotted(path) or '<root>'} of shape {tuple(x.shape)} ({dtype}"
+            f"{where_is}) takes {nbytes} B whole, over matrix_budget_bytes={budget}, and is "
+            f"not sharded over several ranks, so it cannot be split. Shard it on a mesh of "
+            f"several ranks (ff.shard, ff.fsdp; a matrix over the budget is then "
+            f"orthogonalized by all of them together), raise matrix_budget_bytes to at least "
+            f"{nbytes}, or give this leaf to Adam (None for it in "
+            f"muon_weight_dimension_numbers)."
+        )
 
 
 def _like(value: Any, local: torch.Tensor) -> Any:
@@ -910,8 +666,8 @@ def muon(
     the learning rate; the other leaves get ``adamw(adam_learning_rate or learning_rate,
     adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov)``.
     ``ns_coeffs`` may name a preset: ``"standard"`` or ``"dion"``. ``matrix_budget_bytes``
-    (not optax's) refuses, at ``init``, a matrix whose momentum takes more bytes whole (see
-    :func:`check_budget`).
+    (not optax's): a matrix whose momentum takes more bytes whole is orthogonalized by all
+    the ranks of its mesh together instead of by one owner (see :func:`scale_by_muon`).
 
     Embeddings and output heads are matrices too; Muon's authors give them to Adam. Say so by
     name, e.g. ``muon_weight_dimension_numbers=lambda path, p: None if "embed" in path or

@@ -50,8 +50,9 @@ from ..formats import replicated_bytes, storage_view
 from ..fsdp.float8_gather import Float8Gather
 from ..fsdp.layout import ModelLayout, UnitLayout, gather_dtype, model_layout
 from ..fsdp.policy import Policy, UnitsArg, default_specs, find_units, trainable_names
+from ..optim._muon_exchange import COMM_LABEL as MUON_LABEL
+from ..optim._muon_exchange import exchange_memory, recording_exchanges
 from ..optim.masters import MasterWeightsState, _widens
-from ..optim.muon import exchange_memory, recording_exchanges
 from ..optim.transforms import GradientTransformation, adamw, sgd
 from ..resharding import Specs, resolve_specs
 from ..spec import Layout, P, format_mesh
@@ -787,6 +788,8 @@ def plan(
         parallelism (another axis) or FSDP."""
         if label == COMM_LABEL:
             return "cp"
+        if label == MUON_LABEL:  # a split matrix's all-reduces, over every axis (tp too)
+            return "step"
         # The step's all-reduces carry a few scalars: the loss (with a count for a (sum,
         # count) loss, in float64), the norm with its count of non-finite tensors; a ring
         # sends under twice the payload. Gradient buckets are far larger.
