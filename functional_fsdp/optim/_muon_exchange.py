@@ -180,8 +180,8 @@ def exchange_memory(matrices: Sequence[Sequence[Any]], axis_sizes: dict[str, int
         >>> m = ((8, 4), P("dp"), MuonDimensionNumbers(), torch.float32)
         >>> exchange_memory([m, m], {"dp": 2})  # each rank: one matrix whole (128 B)
         [320, 320]
-        >>> exchange_memory([(*m, True)], {"dp": 2})  # split: each rank half of it
-        [96, 96]
+        >>> exchange_memory([(*m, True)], {"dp": 2})  # split: its half (64 B), the result's
+        [128, 128]
     """
     ms = [_matrix(m) for m in matrices]
     n = math.prod(axis_sizes.values())
