@@ -404,17 +404,9 @@ class ProcessPool:
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         for r in range(world_size):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-                "RANK": str(r),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "OMP_NUM_THREADS": str(threads),
-                "PYTHONUNBUFFERED": "1",
-            }
+            env = process.torchrun_env(
+                r, world_size, port, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1"
+            )
             self._workers.append(_Worker(r, config, env))
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:

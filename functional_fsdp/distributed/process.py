@@ -10,6 +10,7 @@ message) and are for code outside the training step (checkpoints, the launcher).
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def torchrun_env(rank: int, world_size: int, port: str, **more: str) -> dict[str, str]:
+    """This process's environment plus what ``torchrun`` sets for one of ``world_size``
+    local ranks rendezvousing on ``127.0.0.1:port``, and ``more``.
+
+    Example:
+        >>> env = torchrun_env(1, 2, "29500", OMP_NUM_THREADS="1")
+        >>> env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"], env["OMP_NUM_THREADS"]
+        ('1', '2', '29500', '1')
+    """
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        **more,
+    }
 
 
 def is_initialized() -> bool:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .._tree import NAMESPACE
-from ..distributed.process import free_port
+from ..distributed.process import free_port, torchrun_env
 from .replicas import ReplicaGroup
 
 __all__ = ["StepRecord", "launch"]
@@ -208,19 +208,15 @@ def _spawn(folder: Path, group: str, life: int, ranks: int) -> list[subprocess.P
     port = str(free_port())
     procs = []
     for rank in range(ranks):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(ranks),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(ranks),
-            "FF_FT_GROUP": group,
-            "FF_FT_LIFE": str(life),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        }
+        env = torchrun_env(
+            rank,
+            ranks,
+            port,
+            FF_FT_GROUP=group,
+            FF_FT_LIFE=str(life),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        )
         with open(folder / f"log_{group}_{life}_{rank}.txt", "w") as log:
             procs.append(
                 subprocess.Popen(
