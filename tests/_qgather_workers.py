@@ -148,12 +148,12 @@ def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def qgz_on_ranks(axes: dict[str, int], block: int) -> dict[str, Any]:
-    """A step with int8 gradient reduction (``QuantizedReduce(block)``) and an exact one."""
+def qgz_on_ranks(axes: dict[str, int], option: Any) -> dict[str, Any]:
+    """A step with quantized gradient reduction (``option``, a ``QuantizedReduce``) and an
+    exact one."""
     mesh = ff.make_mesh(axes)
     m, batch = model(), data()
-    policy = ff.Policy(grad_quantization=ff.QuantizedReduce(block_size=block))
     return {
-        "qgz": step(mesh, m, batch, policy=policy),
+        "qgz": step(mesh, m, batch, policy=ff.Policy(grad_quantization=option)),
         "exact": step(mesh, m, batch, quantized=False),
     }

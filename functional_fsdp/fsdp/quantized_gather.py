@@ -26,7 +26,11 @@ from typing import Any
 
 import torch
 
-_QMAX = 127
+
+def _qmax(bits: int) -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r}: 8 (int8 values) or 4 (two values per byte).")
+    return 2 ** (bits - 1) - 1
 
 
 @dataclass(frozen=True)
@@ -56,27 +60,63 @@ class QuantizedGather:
         return 1 + 4 / self.block_size
 
     def pack(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The shards as one uint8 buffer: every scale (float32), then every shard's int8
-        blocks, zero-padded to a multiple of 4 bytes (so the receiver views, not copies)."""
-        values, scales = [], []
-        for s in shards:
-            q, scale = quantize_blockwise(s, self.block_size)
-            values.append(q.reshape(-1).view(torch.uint8))
-            scales.append(scale.view(torch.uint8))
-        size = sum(v.numel() for v in values) + sum(s.numel() for s in scales)
-        pad = [values[0].new_zeros(-size % 4)]
-        return torch.cat(scales + values + pad)
+        """The shards as one uint8 buffer (:meth:`BlockCodec.pack` of int8 blocks)."""
+        return BlockCodec(self.block_size).pack(shards)
 
     def unpack(
         self, gathered: torch.Tensor, numels: Sequence[int], dtype: torch.dtype
     ) -> torch.Tensor:
         """``[n, packed bytes]`` from the all-gather back to ``[n, sum(numels)]`` in
         ``dtype``: each rank's shards, dequantized, in order."""
-        n, b = gathered.shape[0], self.block_size
+        return BlockCodec(self.block_size).unpack(gathered, numels, dtype)
+
+
+@dataclass(frozen=True)
+class BlockCodec:
+    """The wire format of blockwise quantized tensors: every block's float32 scale, then the
+    values (int8, or two 4-bit values per byte, low nibble first, stored as ``q + 8``),
+    zero-padded to a multiple of 4 bytes so that the receiver views, not copies.
+
+    Example:
+        >>> import torch
+        >>> codec = BlockCodec(block_size=4, bits=4)
+        >>> x = torch.tensor([0.7, -0.1, 0.0, 0.35, 1.0])
+        >>> buffer = codec.pack([x])  # 2 scales (8 B), 2 blocks of 4 values (4 B)
+        >>> buffer.dtype, buffer.numel()
+        (torch.uint8, 12)
+        >>> codec.unpack(buffer.view(1, -1), [5], torch.float32).tolist()  # steps of 0.1, 1/7
+        [[0.699999988079071, -0.10000000149011612, 0.0, 0.4000000059604645, 1.0]]
+    """
+
+    block_size: int
+    bits: int = 8
+
+    def value_bytes(self, blocks: int) -> int:
+        """Bytes of ``blocks`` blocks' values."""
+        return blocks * self.block_size * self.bits // 8
+
+    def pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The pieces as one uint8 buffer; each piece's blocks start at its first element."""
+        values, scales = [], []
+        for s in pieces:
+            q, scale = quantize_blockwise(s, self.block_size, bits=self.bits)
+            values.append(q.reshape(-1))
+            scales.append(scale.view(torch.uint8))
+        packed = _to_bytes(torch.cat(values), self.bits)
+        size = packed.numel() + sum(s.numel() for s in scales)
+        return torch.cat([*scales, packed, packed.new_zeros(-size % 4)])
+
+    def unpack(
+        self, buffers: torch.Tensor, numels: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``[n, packed bytes]`` (``n`` buffers of :meth:`pack`) back to ``[n, sum(numels)]``
+        in ``dtype``: each buffer's pieces, dequantized, in order."""
+        n, b = buffers.shape[0], self.block_size
         blocks = [math.ceil(k / b) for k in numels]
         n_scales = sum(blocks)
-        scales = gathered[:, : 4 * n_scales].view(torch.float32)
-        values = gathered[:, 4 * n_scales : 4 * n_scales + n_scales * b].view(torch.int8)
+        scales = buffers[:, : 4 * n_scales].view(torch.float32)
+        values = buffers[:, 4 * n_scales : 4 * n_scales + self.value_bytes(n_scales)]
+        values = _from_bytes(values, self.bits)
         out, offset = [], 0
         for k, nb in zip(numels, blocks):
             q = values[:, offset * b : (offset + nb) * b].reshape(n, nb, b)
@@ -84,6 +124,22 @@ class QuantizedGather:
             out.append(deq.reshape(n, nb * b)[:, :k])
             offset += nb
         return torch.cat(out, dim=1)
+
+
+def _to_bytes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 values as the bytes sent: themselves, or two 4-bit ``q + 8`` per byte."""
+    if bits == 8:
+        return q.view(torch.uint8)
+    u = (q + 8).to(torch.uint8)
+    return u[0::2] | (u[1::2] << 4)
+
+
+def _from_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`_to_bytes` undone on ``[n, bytes]``: ``[n, values]`` int8."""
+    if bits == 8:
+        return packed.view(torch.int8)
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    return nibbles.to(torch.int8) - 8
 
 
 def check_block_size(option: QuantizedGather | Any) -> None:
@@ -100,24 +156,30 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def quantize_blockwise(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    x: torch.Tensor, block_size: int, *, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` flattened, zero-padded to whole blocks: int8 values ``[blocks, block_size]``
-    and one float32 scale per block (the block's largest magnitude / 127; 1 for an all-zero block).
+    and one float32 scale per block (the block's largest magnitude / 127; 1 for an all-zero
+    block). ``bits=4``: values in ``[-7, 7]``, the scale the largest magnitude / 7.
 
     Example:
         >>> import torch
         >>> q, scale = quantize_blockwise(torch.tensor([0.5, -1.0, 0.25]), 2)
         >>> q.tolist(), [round(v * 127, 6) for v in scale.tolist()]  # scale = largest / 127
         ([[64, -127], [127, 0]], [1.0, 0.25])
+        >>> quantize_blockwise(torch.tensor([0.5, -1.0, 0.25]), 2, bits=4)[0].tolist()
+        [[3, -7], [7, 0]]
     """
+    qmax = _qmax(bits)
     flat = x.detach().reshape(-1).to(_compute_dtype(x.dtype))
     pad = -flat.numel() % block_size
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     blocks = flat.view(-1, block_size)
     amax = blocks.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax)).to(torch.float32)
-    q = torch.round(blocks / scale.to(blocks.dtype)[:, None]).clamp(-_QMAX, _QMAX)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(torch.float32)
+    q = torch.round(blocks / scale.to(blocks.dtype)[:, None]).clamp(-qmax, qmax)
     return q.to(torch.int8), scale
 
 

@@ -355,6 +355,7 @@ class Unit:
             and ctx.policy.grad_quantization is None  # qgZ's all-to-all waits
         )
         qgz = ctx.policy.grad_quantization
+        two_hops = qgz is not None and qgz.hierarchical and _two_hops(rounds, current)
         for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
             meta = layout.labels[r]
@@ -378,7 +379,18 @@ class Unit:
                 # Traced (ff.jit), the compiler plans the buffers and places the wait.
                 soon = C.receives_copy(ctx.mesh, rnd.axis) and not torch.compiler.is_compiling()
                 self.in_flight.add(_finisher(finish, reduced, post, mine), soon=soon)
-            elif qgz is not None and flat.is_floating_point():  # int8 blocks, all-to-all
+            elif two_hops:  # the minor axis first, then the major (ZeRO++'s hierarchy)
+                minor = rounds[1][1]
+                reduced = qgz.reduce_two_hops(  # type: ignore[union-attr]
+                    flat,
+                    pieces,
+                    minor.pieces,
+                    ctx.mesh,
+                    (rnd.axis, minor.axis),
+                    counters=ctx.counters,
+                )
+                pieces = list(minor.pieces)
+            elif qgz is not None and flat.is_floating_point():  # quantized blocks, all-to-all
                 numels = [math.prod(p.local_shape) for p in pieces]
                 reduced = qgz.reduce(flat, numels, ctx.mesh, rnd.axis, counters=ctx.counters)
             else:
@@ -388,6 +400,8 @@ class Unit:
                 C.release(*mine)
             for p, block in zip(pieces, unpack_reduced(reduced, pieces)):
                 current[p.index] = block
+            if two_hops:
+                break  # the minor round's reduction is done
         if defer:
             return current
         if ctx.sync:
@@ -399,6 +413,20 @@ class Unit:
                 torch._foreach_div_(mine, post)  # our own buffers: in place, one call
             current = [g / post if i in theirs else g for i, g in enumerate(current)]
         return current
+
+
+def _two_hops(rounds: Sequence[tuple[int, Round]], grads: Sequence[Any]) -> bool:
+    """Whether a reduction's ``rounds`` (in reduction order) are two, over two axes, of the
+    same floating-point tensors: what qgZ's hierarchy reduces minor axis first."""
+    if len(rounds) != 2 or rounds[0][1].axis == rounds[1][1].axis:
+        return False
+    (_, major), (_, minor) = rounds
+    indices = [{p.index for p in r.pieces if grads[p.index] is not None} for r in (major, minor)]
+    return (
+        indices[0] == indices[1]
+        and len(indices[0]) == len(minor.pieces) == len(major.pieces)
+        and all(grads[i].is_floating_point() for i in indices[0])
+    )
 
 
 class InFlight:
