@@ -43,11 +43,12 @@ def step(
     option: Any = None,
     policy: ff.Policy | None = None,
     specs: Any = None,
+    opt_specs: Any = None,
 ) -> dict[str, Any]:
     """One SGD(1) step: the loss, the gradients (the parameters' change), the all-gather
     and all-reduce bytes this rank sent (and the bytes per collective and axis), the
     weights, and the emulated weights (each rank's shard through quantize_blockwise /
-    dequantize_blockwise, gathered).
+    dequantize_blockwise, gathered). ``specs=ff.P(), opt_specs=ff.P("dp")``: ZeRO-2.
 
     ``option``: the policy's ``gather_quantization`` (default: ``QuantizedGather(BLOCK)``
     when ``quantized``, else exact gathers); ``policy`` replaces the whole policy."""
@@ -62,7 +63,7 @@ def step(
         lambda p, b: lm_loss(sharded.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sharded
     )
     with ff.count_comms() as comms:
-        new, metrics = train(ff.TrainState.create(params, opt), batch)
+        new, metrics = train(ff.TrainState.create(params, opt, opt_specs=opt_specs), batch)
     emulated = ff.tree_map(
         lambda s: ff.dequantize_blockwise(*ff.quantize_blockwise(s, BLOCK), s), params
     )
@@ -148,12 +149,12 @@ def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def qgz_on_ranks(axes: dict[str, int], option: Any) -> dict[str, Any]:
+def qgz_on_ranks(axes: dict[str, int], option: Any, **zero: Any) -> dict[str, Any]:
     """A step with quantized gradient reduction (``option``, a ``QuantizedReduce``) and an
-    exact one."""
+    exact one (``zero``: :func:`step`'s ``specs`` and ``opt_specs``)."""
     mesh = ff.make_mesh(axes)
     m, batch = model(), data()
     return {
-        "qgz": step(mesh, m, batch, policy=ff.Policy(grad_quantization=option)),
-        "exact": step(mesh, m, batch, quantized=False),
+        "qgz": step(mesh, m, batch, policy=ff.Policy(grad_quantization=option), **zero),
+        "exact": step(mesh, m, batch, quantized=False, **zero),
     }

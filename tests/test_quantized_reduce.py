@@ -173,3 +173,17 @@ def test_two_hops_on_four_gloo_ranks_cut_the_bytes_between_nodes(pools: Any, opt
     for axis in axes:
         priced = W.planned_bytes(axes, None, "all_to_all", grad_quantization=option)
         assert priced == sum(got["all_to_all", a] for a in axes), axis
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("option", [INT8, INT4], ids=["int8", "4bit"])
+def test_zero2_reduces_through_the_same_blocks_on_gloo_ranks(pools: Any, option: Any) -> None:
+    # ZeRO-2 (the paper's): replicated parameters, the gradients reduce-scattered onto the
+    # optimizer's shards, here as quantized blocks.
+    zero2 = dict(specs=ff.P(), opt_specs=ff.P("dp"))
+    results = pools.run(2, W.qgz_on_ranks, {"dp": 2}, option, **zero2)
+    want = _emulated_grads({"dp": 2}, option)
+    for r in results:
+        _check(r["qgz"], r["exact"], want)
+        assert ("all_to_all", "dp") in r["qgz"]["bytes"]
+        assert ("reduce_scatter", "dp") not in r["qgz"]["bytes"]
