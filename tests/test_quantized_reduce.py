@@ -52,9 +52,21 @@ def _qdq(x: torch.Tensor, option: ff.QuantizedReduce) -> torch.Tensor:
 def _emulated_grads(axes: dict[str, int], option: ff.QuantizedReduce) -> dict[str, torch.Tensor]:
     """The mean gradient as ``option`` reduces it over a ``{"major": N[, "minor": G]}`` data
     mesh, emulated in one process: blocks quantized where a rank sends them, summed where
-    they arrive; with two axes, minor axis first if ``option.hierarchical``."""
-    n, g = list(axes.values()) + [1] * (2 - len(axes))
-    local = _local_grads(n * g)
+    they arrive; with two axes, minor axis first if ``option.hierarchical``. A leading
+    ``"replicate"`` axis (HSDP) sums its groups' results exactly."""
+    groups = axes.get("replicate", 1)
+    sizes = [size for axis, size in axes.items() if axis != "replicate"]
+    n, g = sizes + [1] * (2 - len(sizes))
+    local = _local_grads(groups * n * g)
+    sums = [_reduced(local[k * n * g : (k + 1) * n * g], n, g, option) for k in range(groups)]
+    return {name: sum(s[name] for s in sums) / (groups * n * g) for name in sums[0]}
+
+
+def _reduced(
+    local: list[dict[str, torch.Tensor]], n: int, g: int, option: ff.QuantizedReduce
+) -> dict[str, torch.Tensor]:
+    """The sum of ``local`` (ranks ``(i, j)`` of an ``n`` x ``g`` data mesh, row-major) as
+    ``option`` reduces it (see :func:`_emulated_grads`)."""
     out = {}
     for name, full in local[0].items():
         # a[i][j][k]: rank (i, j)'s block for node k; b[i][j][k][l]: its block for rank (k, l).
@@ -74,7 +86,7 @@ def _emulated_grads(axes: dict[str, int], option: ff.QuantizedReduce) -> dict[st
                     node = [sum(_qdq(a[k][jj][i], option) for k in range(n)) for jj in range(g)]
                     final[i][j] = sum(_qdq(_chunks(node[jj], g)[j], option) for jj in range(g))
         rows = torch.cat([torch.cat(final[i])[: a[0][0][0].shape[0]] for i in range(n)])
-        out[name] = rows[: full.shape[0]] / (n * g)
+        out[name] = rows[: full.shape[0]]
     return out
 
 
@@ -123,8 +135,9 @@ def test_four_bit_blocks_round_trip_within_half_a_step() -> None:
         ({"node": 2, "gpu": 2}, INT8),
         ({"node": 2, "gpu": 2}, MAJOR_FIRST),
         ({"node": 2, "gpu": 2}, INT4),
+        ({"replicate": 2, "shard": 2}, INT8),
     ],
-    ids=["dp2", "dp4", "dp2-4bit", "2x2-two-hops", "2x2-major-first", "2x2-4bit"],
+    ids=["dp2", "dp4", "dp2-4bit", "2x2-two-hops", "2x2-major-first", "2x2-4bit", "hsdp"],
 )
 def test_simulated_step_equals_the_emulated_reduction(axes: dict[str, int], option: Any) -> None:
     m, batch = W.model(), W.data()
@@ -133,7 +146,25 @@ def test_simulated_step_equals_the_emulated_reduction(axes: dict[str, int], opti
         exact = W.step(mesh, m, batch, quantized=False)
     _check(got, exact, _emulated_grads(axes, option))
     assert not any(kind == "reduce_scatter" for kind, _ in got["bytes"])
-    assert all(got["bytes"]["all_to_all", axis] > 0 for axis in axes)
+    sharded = [axis for axis in axes if axis != "replicate"]
+    assert all(got["bytes"]["all_to_all", axis] > 0 for axis in sharded)
+    # HSDP's replicas are all-reduced exactly, as without the option.
+    replicas = ("all_reduce", "replicate")
+    assert got["bytes"].get(replicas) == exact["bytes"].get(replicas)
+
+
+def test_with_tensor_parallelism_only_the_dp_reduction_is_quantized() -> None:
+    m, batch = W.model(), W.data()
+    with ff.simulated_mesh({"dp": 2, "tp": 2}) as mesh:
+        got = W.step(mesh, m, batch, policy=ff.Policy(grad_quantization=INT8))
+        exact = W.step(mesh, m, batch, quantized=False)
+    assert {k: v for k, v in got["bytes"].items() if k[1] == "tp"} == {
+        k: v for k, v in exact["bytes"].items() if k[1] == "tp"
+    }
+    assert got["bytes"]["all_to_all", "dp"] < exact["bytes"]["reduce_scatter", "dp"] / 6
+    assert got["loss"] == exact["loss"]
+    for name, g in exact["grads"].items():  # within int8 blocks' rounding of the dp sum
+        assert float((got["grads"][name] - g).abs().max()) <= 0.01 * float(g.abs().max()), name
 
 
 @pytest.mark.multiprocess
@@ -173,6 +204,17 @@ def test_two_hops_on_four_gloo_ranks_cut_the_bytes_between_nodes(pools: Any, opt
     for axis in axes:
         priced = W.planned_bytes(axes, None, "all_to_all", grad_quantization=option)
         assert priced == sum(got["all_to_all", a] for a in axes), axis
+
+
+@pytest.mark.multiprocess
+def test_hsdp_on_four_gloo_ranks_quantizes_the_shard_axis_only(pools: Any) -> None:
+    axes = {"replicate": 2, "shard": 2}
+    results = pools.run(4, W.qgz_on_ranks, axes, INT4)
+    want = _emulated_grads(axes, INT4)
+    for r in results:
+        _check(r["qgz"], r["exact"], want)
+        replicas = r["qgz"]["bytes"]["all_reduce", "replicate"]
+        assert replicas == r["exact"]["bytes"]["all_reduce", "replicate"]
 
 
 @pytest.mark.multiprocess
