@@ -125,11 +125,15 @@ def planned_bytes(axes: dict[str, int], option: Any, kind: str, **policy: Any) -
 
 def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
     """``steps`` SGD steps eager and traced (``ff.jit``, replayed op by op) from the same
-    state on the same batch: the largest difference of losses and parameters, and whether
-    the collectives are the same."""
+    state on the same batch, ``option`` a gather's or a reduction's quantization: the
+    largest difference of losses and parameters, and whether the collectives are the same."""
     mesh = ff.make_mesh({"dp": torch.distributed.get_world_size()})
     m, batch = model(), data()
-    sharded = ff.fsdp(m, mesh, policy=ff.Policy(gather_quantization=option))
+    if isinstance(option, ff.QuantizedReduce):
+        policy = ff.Policy(grad_quantization=option)
+    else:
+        policy = ff.Policy(gather_quantization=option)
+    sharded = ff.fsdp(m, mesh, policy=policy)
     opt = ff.sgd(0.1)
     step = ff.train_step(
         lambda p, b: lm_loss(sharded.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sharded

@@ -229,3 +229,11 @@ def test_zero2_reduces_through_the_same_blocks_on_gloo_ranks(pools: Any, option:
         _check(r["qgz"], r["exact"], want)
         assert ("all_to_all", "dp") in r["qgz"]["bytes"]
         assert ("reduce_scatter", "dp") not in r["qgz"]["bytes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch.compile's, as in test_jit.py
+def test_a_traced_step_equals_the_eager_one_bitwise(pools: Any) -> None:
+    # ff.jit traces the quantization, the all-to-all and the dequantized sums into the graph.
+    r = pools.run(2, W.traced_equals_eager, INT4)[0]
+    assert r == {"loss": 0.0, "params": 0.0, "comms_equal": True}, r
