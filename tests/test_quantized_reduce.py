@@ -7,6 +7,7 @@ untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -49,15 +50,23 @@ def _qdq(x: torch.Tensor, option: ff.QuantizedReduce) -> torch.Tensor:
     return ff.dequantize_blockwise(q, scale, x)
 
 
-def _emulated_grads(axes: dict[str, int], option: ff.QuantizedReduce) -> dict[str, torch.Tensor]:
+def _emulated_grads(
+    axes: dict[str, int], option: ff.QuantizedReduce, *, hpz: bool = False
+) -> dict[str, torch.Tensor]:
     """The mean gradient as ``option`` reduces it over a ``{"major": N[, "minor": G]}`` data
     mesh, emulated in one process: blocks quantized where a rank sends them, summed where
     they arrive; with two axes, minor axis first if ``option.hierarchical``. A leading
-    ``"replicate"`` axis (HSDP) sums its groups' results exactly."""
+    ``"replicate"`` axis (HSDP) sums its groups' results exactly.
+
+    ``hpz``: hpZ's layout (``reshard_after_forward`` the minor axis) splits each dim over the
+    minor axis first, so the exact reduction's order is already the node's first."""
     groups = axes.get("replicate", 1)
     sizes = [size for axis, size in axes.items() if axis != "replicate"]
     n, g = sizes + [1] * (2 - len(sizes))
     local = _local_grads(groups * n * g)
+    if hpz:  # ranks (i, j) as the layout orders them, (j, i)
+        local = [local[i * g + j] for j in range(g) for i in range(n)]
+        n, g, option = g, n, dataclasses.replace(option, hierarchical=False)
     sums = [_reduced(local[k * n * g : (k + 1) * n * g], n, g, option) for k in range(groups)]
     return {name: sum(s[name] for s in sums) / (groups * n * g) for name in sums[0]}
 
@@ -151,6 +160,19 @@ def test_simulated_step_equals_the_emulated_reduction(axes: dict[str, int], opti
     # HSDP's replicas are all-reduced exactly, as without the option.
     replicas = ("all_reduce", "replicate")
     assert got["bytes"].get(replicas) == exact["bytes"].get(replicas)
+
+
+@pytest.mark.parametrize("option", [INT8, INT4], ids=["int8", "4bit"])
+def test_with_hpz_the_reduction_goes_within_the_node_first_as_it_comes(option: Any) -> None:
+    # hpZ (reshard_after_forward="gpu") lays each dim out over "gpu" first: the exact
+    # reduction's order is already within the node first, quantized hop by hop.
+    m, batch = W.model(), W.data()
+    policy = ff.Policy(grad_quantization=option, reshard_after_forward="gpu")
+    with ff.simulated_mesh({"node": 2, "gpu": 2}) as mesh:
+        got = W.step(mesh, m, batch, policy=policy)
+        exact = W.step(mesh, m, batch, quantized=False)
+    _check(got, exact, _emulated_grads({"node": 2, "gpu": 2}, option, hpz=True))
+    assert got["bytes"]["all_to_all", "node"] < got["bytes"]["all_to_all", "gpu"]
 
 
 def test_with_tensor_parallelism_only_the_dp_reduction_is_quantized() -> None:

@@ -355,7 +355,7 @@ class Unit:
             and ctx.policy.grad_quantization is None  # qgZ's all-to-all waits
         )
         qgz = ctx.policy.grad_quantization
-        two_hops = qgz is not None and qgz.hierarchical and _two_hops(rounds, current)
+        two_hops = qgz is not None and qgz.hierarchical and _two_hops(rounds, current, sizes)
         for r, rnd in rounds:
             pieces = [p for p in rnd.pieces if current[p.index] is not None]
             meta = layout.labels[r]
@@ -415,12 +415,19 @@ class Unit:
         return current
 
 
-def _two_hops(rounds: Sequence[tuple[int, Round]], grads: Sequence[Any]) -> bool:
-    """Whether a reduction's ``rounds`` (in reduction order) are two, over two axes, of the
-    same floating-point tensors: what qgZ's hierarchy reduces minor axis first."""
-    if len(rounds) != 2 or rounds[0][1].axis == rounds[1][1].axis:
+def _two_hops(
+    rounds: Sequence[tuple[int, Round]], grads: Sequence[Any], sizes: Mapping[str, int]
+) -> bool:
+    """Whether a reduction's ``rounds`` (in reduction order) are two, of the same
+    floating-point tensors, the first over a mesh axis before the second's (``"node"`` then
+    ``"gpu"``): what qgZ's hierarchy reorders, the minor axis first. (Rounds already in that
+    order, as hpZ's are, are two hops as they come.)"""
+    if len(rounds) != 2:
         return False
     (_, major), (_, minor) = rounds
+    order = list(sizes)
+    if order.index(major.axis) >= order.index(minor.axis):
+        return False
     indices = [{p.index for p in r.pieces if grads[p.index] is not None} for r in (major, minor)]
     return (
         indices[0] == indices[1]
