@@ -484,6 +484,50 @@ def test_strategies_priced_together_equal_each_priced_alone():
         assert alone == together[name], name
 
 
+def test_fewer_bytes_strategies_are_priced_beside_the_exact_ones():
+    # Named only: ZeRO++'s three options on {"node", "gpu"} and ZeRO-3 with float8 gathers,
+    # each the plan of its documented configuration.
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16))
+    kwargs = dict(batch=(8, 16), hsdp_shard=2)
+    cmp = compare_strategies(model, 4, strategies=("zero3", "zero++", "zero3+float8"), **kwargs)
+    zero_pp = ff.Policy(
+        reshard_after_forward="gpu",
+        gather_quantization=ff.QuantizedGather(),
+        grad_quantization=ff.QuantizedReduce(),
+    )
+    alone = {
+        "zero++": plan(model, {"node": 2, "gpu": 2}, name="zero++", policy=zero_pp, batch=(8, 16)),
+        "zero3+float8": plan(
+            model,
+            {"dp": 4},
+            name="zero3+float8",
+            policy=ff.Policy(gather_quantization=ff.Float8Gather()),
+            batch=(8, 16),
+        ),
+    }
+    for name, report in alone.items():
+        assert cmp[name] == report, name
+
+    def by(report: PlanReport, **where: str) -> int:
+        return sum(
+            c.bytes for c in report.comms if all(getattr(c, k) == v for k, v in where.items())
+        )
+
+    exact = by(cmp["zero3"])
+    # float8 weights: a quarter of fp32's all-gather bytes (and a small all-reduce of amaxes).
+    f8 = cmp["zero3+float8"]
+    assert by(f8, kind="all_gather") == by(cmp["zero3"], kind="all_gather") // 4
+    assert by(f8, kind="reduce_scatter") == by(cmp["zero3"], kind="reduce_scatter")
+    # ZeRO++: int8 between nodes (the forward's gathers and the gradients' second hop, half
+    # of the first's), the gradients reduced through all-to-alls.
+    pp = cmp["zero++"]
+    assert by(pp, kind="reduce_scatter") == 0
+    assert by(pp, kind="all_to_all", axis="node") < by(pp, kind="all_to_all", axis="gpu")
+    assert by(pp, axis="node") < 0.15 * exact
+    assert by(pp) < 0.75 * exact
+
+
 # --------------------------------------------------------------------------- context parallelism
 
 

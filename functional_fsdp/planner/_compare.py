@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fsdp.float8_gather import Float8Gather
 from ..fsdp.policy import MixedPrecision, Policy, UnitsArg
+from ..fsdp.quantized_gather import QuantizedGather
+from ..fsdp.quantized_reduce import QuantizedReduce
 from ..optim.masters import master_weights as wrap_masters
 from ..spec import P
 from ..tp.styles import Style
@@ -25,6 +28,8 @@ from ._plan import BatchArg, OptimizerArg, PlanReport, _optimizer, plan
 from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_text
 
 STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp")
+# Priced only when named: ZeRO-3 with fewer bytes on the wire.
+FEWER_BYTES = ("zero++", "zero3+float8")
 
 # The ZeRO paper's bytes per parameter per device: (replicated, divided by N), K = 12.
 PAPER_K = 12
@@ -147,6 +152,15 @@ def compare_strategies(
     * ``"hsdp"``: ``{"replicate": N / hsdp_shard, "shard": hsdp_shard}``.
     * ``"fsdp+tp"``: ``{"dp": N / tp, "tp": tp}`` with ``tp_plan`` (skipped without one).
 
+    Named only, beside the exact ones (:data:`FEWER_BYTES`):
+
+    * ``"zero++"``: ZeRO++'s three on ``{"node": N / hsdp_shard, "gpu": hsdp_shard}``: int8
+      weight all-gathers (:class:`~functional_fsdp.QuantizedGather`), a secondary shard within
+      the node (``reshard_after_forward="gpu"``) and int8 gradients reduced within the node,
+      then across (:class:`~functional_fsdp.QuantizedReduce`).
+    * ``"zero3+float8"``: ZeRO-3 with float8 all-gathers (:class:`~functional_fsdp.Float8Gather`,
+      FSDP2 + torchao's).
+
     With ``cp > 1`` every mesh gets a ``"cp"`` axis of that size after its data axes (e.g.
     ``{"dp": N / cp, "cp": cp}``; ZeRO's optimizer state ``P(("dp", "cp"))``), which splits
     each sequence (context parallelism, :mod:`functional_fsdp.cp`): the model's attention
@@ -157,7 +171,8 @@ def compare_strategies(
         model: the module (on ``meta`` for big ones).
         world_size: devices.
         batch: the global batch (see :func:`plan`); ``None``: no activation figures.
-        strategies: which of the names above, in order.
+        strategies: which of the names above, in order (the default: the exact ones,
+            :data:`STRATEGIES`).
         tp_plan: the tensor-parallel plan for ``"fsdp+tp"``.
         tp: tensor-parallel size for ``"fsdp+tp"``.
         hsdp_shard: size of the sharding axis for ``"hsdp"`` (e.g. GPUs per node).
@@ -193,10 +208,11 @@ def compare_strategies(
         >>> [(r.name, r.opt_state_bytes) for r in sgd_too.reports]
         [('zero3/adamw', 33280), ('zero3/sgd', 0)]
     """
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in STRATEGIES + FEWER_BYTES]
     if unknown:
         raise ValueError(
-            f"compare_strategies: unknown strategy {unknown[0]!r}; choose from {STRATEGIES}."
+            f"compare_strategies: unknown strategy {unknown[0]!r}; choose from "
+            f"{STRATEGIES + FEWER_BYTES}."
         )
     base = dict(
         mixed_precision=mixed_precision or MixedPrecision(),
@@ -243,6 +259,19 @@ def compare_strategies(
         elif s == "hsdp":
             _check_divides("hsdp_shard", hsdp_shard, n, per_cp)
             kw = dict(mesh={"replicate": n // hsdp_shard, "shard": hsdp_shard, **seq})
+        elif s == "zero++":
+            _check_divides("hsdp_shard", hsdp_shard, n, per_cp)
+            fewer = dict(
+                reshard_after_forward="gpu",
+                gather_quantization=QuantizedGather(),
+                grad_quantization=QuantizedReduce(),
+            )
+            kw = dict(
+                mesh={"node": n // hsdp_shard, "gpu": hsdp_shard, **seq},
+                policy=Policy(**fewer, **base),
+            )
+        elif s == "zero3+float8":
+            kw = dict(mesh=data, policy=Policy(gather_quantization=Float8Gather(), **base))
         else:
             if tp_plan is None:
                 continue
