@@ -18,7 +18,9 @@ float32. It then requantizes those ``N`` partial sums and sends each, over the m
 to the node that owns it, which sums them. The major axis (between nodes) carries ``1/G`` of
 the gradient instead of all of it; the intra-node hop carries it all. With
 ``hierarchical=False`` each axis's reduction is its own quantized hop, in the exact
-reduction's order.
+reduction's order. Under hpZ (``reshard_after_forward="gpu"``) each dim is laid out over
+``"gpu"`` first, so the exact order already goes within the node first: its rounds are the
+two hops as they come.
 
 The reduction over replicated axes (HSDP's ``replicate``, DDP) stays an exact all-reduce.
 There is no error feedback: its residual is the quantization error of every block a rank
