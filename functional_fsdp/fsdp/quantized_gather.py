@@ -97,14 +97,22 @@ class BlockCodec:
 
     def pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         """The pieces as one uint8 buffer; each piece's blocks start at its first element."""
-        values, scales = [], []
-        for s in pieces:
-            q, scale = quantize_blockwise(s, self.block_size, bits=self.bits)
-            values.append(q.reshape(-1))
+        flat = torch.cat([p.detach().reshape(-1) for p in pieces])
+        return self.pack_rows(flat[None], [p.numel() for p in pieces])[0]
+
+    def pack_rows(self, rows: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
+        """Each row of ``rows`` (``[n, sum(numels)]``, pieces of ``numels`` elements) as
+        :meth:`pack` sends it: ``[n, packed bytes]``, quantized piece by piece for all rows
+        at once."""
+        values, scales, offset = [], [], 0
+        for k in numels:
+            q, scale = _quantize_rows(rows[:, offset : offset + k], self.block_size, self.bits)
+            values.append(q)
             scales.append(scale.view(torch.uint8))
-        packed = _to_bytes(torch.cat(values), self.bits)
-        size = packed.numel() + sum(s.numel() for s in scales)
-        return torch.cat([*scales, packed, packed.new_zeros(-size % 4)])
+            offset += k
+        packed = _to_bytes(torch.cat(values, dim=1), self.bits)
+        size = packed.shape[1] + sum(s.shape[1] for s in scales)
+        return torch.cat([*scales, packed, packed.new_zeros(rows.shape[0], -size % 4)], dim=1)
 
     def unpack(
         self, buffers: torch.Tensor, numels: Sequence[int], dtype: torch.dtype
@@ -127,11 +135,11 @@ class BlockCodec:
 
 
 def _to_bytes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 values as the bytes sent: themselves, or two 4-bit ``q + 8`` per byte."""
+    """``[n, values]`` int8 as the bytes sent: themselves, or two 4-bit ``q + 8`` per byte."""
     if bits == 8:
         return q.view(torch.uint8)
     u = (q + 8).to(torch.uint8)
-    return u[0::2] | (u[1::2] << 4)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
 def _from_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -171,16 +179,25 @@ def quantize_blockwise(
         >>> quantize_blockwise(torch.tensor([0.5, -1.0, 0.25]), 2, bits=4)[0].tolist()
         [[3, -7], [7, 0]]
     """
+    q, scale = _quantize_rows(x.detach().reshape(1, -1), block_size, bits)
+    return q.view(-1, block_size), scale[0]
+
+
+def _quantize_rows(
+    rows: torch.Tensor, block_size: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` of each row of ``rows`` (``[n, k]``): int8 ``[n, blocks *
+    block_size]`` and float32 scales ``[n, blocks]``."""
     qmax = _qmax(bits)
-    flat = x.detach().reshape(-1).to(_compute_dtype(x.dtype))
-    pad = -flat.numel() % block_size
+    x = rows.to(_compute_dtype(rows.dtype))
+    pad = -x.shape[1] % block_size
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    blocks = flat.view(-1, block_size)
-    amax = blocks.abs().amax(dim=1)
+        x = torch.nn.functional.pad(x, (0, pad))
+    blocks = x.view(x.shape[0], -1, block_size)
+    amax = blocks.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(torch.float32)
-    q = torch.round(blocks / scale.to(blocks.dtype)[:, None]).clamp(-qmax, qmax)
-    return q.to(torch.int8), scale
+    q = torch.round(blocks / scale.to(blocks.dtype)[..., None]).clamp(-qmax, qmax)
+    return q.to(torch.int8).view(x.shape[0], -1), scale
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -146,16 +146,9 @@ class QuantizedReduce:
         ``axis``, what arrives dequantized and summed: ``[m, total]`` in the compute dtype."""
         n, m = x.shape[0], x.shape[1]
         codec = self._codec()
-        packed = []
-        for k in range(n):
-            for i in range(m):
-                pieces, offset = [], 0
-                for numel in numels:
-                    pieces.append(x[k, i, offset : offset + numel])
-                    offset += numel
-                packed.append(codec.pack(pieces))
-        size = packed[0].numel() * m
+        packed = codec.pack_rows(x.reshape(n * m, -1), numels)  # row (k, i) for rank k
+        size = packed.shape[1] * m
         group = mesh if len(axis_sizes(mesh)) == 1 else mesh[axis]
-        got = C.raw_all_to_all(torch.cat(packed), group, [size] * n, [size] * n, counters=counters)
+        got = C.raw_all_to_all(packed.view(-1), group, [size] * n, [size] * n, counters=counters)
         rows = codec.unpack(got.view(n * m, -1), numels, _compute_dtype(x.dtype))
         return rows.view(n, m, -1).sum(0)
