@@ -196,7 +196,7 @@ def _quantize_rows(
     blocks = x.view(x.shape[0], -1, block_size)
     amax = blocks.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).to(torch.float32)
-    q = torch.round(blocks / scale.to(blocks.dtype)[..., None]).clamp(-qmax, qmax)
+    q = (blocks / scale.to(blocks.dtype)[..., None]).round_().clamp_(-qmax, qmax)  # a new buffer
     return q.to(torch.int8).view(x.shape[0], -1), scale
 
 
