@@ -40,6 +40,11 @@ COLOURS = {
     "FSDP2 + compile per block": "#ff7f0e",
     "local eager": "#7f7f7f",
     "local compiled": "#bcbd22",
+    "exact": "#1f77b4",
+    "int8 weights + int8 grads": "#ff7f0e",
+    "int8 weights + 4-bit grads": "#2ca02c",
+    "float8 weights": "#9467bd",
+    "exact, no collectives": "#7f7f7f",
 }
 
 
@@ -327,20 +332,31 @@ def plot_cp_scaling(data: dict[str, Any], plt: Any) -> Any:
 
 
 def quantized_gather(data: dict[str, Any]) -> str:
-    f = data["runs"][-1]["figures"]
-    rows = [
-        [
-            name,
-            f"{v['final_loss']:.4f} ({v['final_loss_ratio']:.4f})",
-            f"{v['all_gather_bytes']:,} ({v['bytes_ratio']:.3f})",
-            f"{v['step_s']:.3f}",
+    """One table per run: the weights' runs (all-gather bytes) and the gradients' (the
+    reduction's bytes: reduce-scatter, or qgZ's all-to-all)."""
+    tables = []
+    for run in sorted(data["runs"], key=lambda r: "runs=" in r["key"]):
+        f = run["figures"]
+        grads = any("gradients" in name for name in f)
+        column = "reduce_bytes" if grads else "all_gather_bytes"
+        rows = [
+            [
+                name,
+                f"{v['final_loss']:.4f} ({v['final_loss_ratio']:.4f})",
+                f"{v[column]:,} ({v[column] / f['exact'][column]:.3f})",
+                f"{v['step_s']:.3f}",
+            ]
+            for name, v in f.items()
         ]
-        for name, v in f.items()
-    ]
-    header = ["all-gather", "loss, last 50 steps (/ exact)", "all-gather bytes (/ exact)"]
-    table = _table([*header, "step s"], rows, ":--|--:|--:|--:")
-    image = _image("quantized_gather", "loss curves with exact and int8 all-gathers")
-    return "\n\n".join([image, _sources(data), table])
+        header = [
+            "gradients" if grads else "all-gather",
+            "loss, last 50 steps (/ exact)",
+            "reduction bytes (/ exact)" if grads else "all-gather bytes (/ exact)",
+            "step s",
+        ]
+        tables.append(f"`{run['command']}`:\n\n" + _table(header, rows, ":--|--:|--:|--:"))
+    image = _image("quantized_gather", "loss curves with exact and quantized collectives")
+    return "\n\n".join([image, _sources(data), *tables])
 
 
 def _loss_curves(curves: dict[str, tuple[list[int], list[float]]], plt: Any) -> Any:
@@ -355,14 +371,79 @@ def _loss_curves(curves: dict[str, tuple[list[int], list[float]]], plt: Any) -> 
 
 
 def plot_quantized_gather(data: dict[str, Any], plt: Any) -> Any:
-    f = data["runs"][-1]["figures"]
-    return _loss_curves(
-        {
-            name: ([10 * i for i in range(len(v["losses_every_10"]))], v["losses_every_10"])
-            for name, v in f.items()
-        },
-        plt,
-    )
+    curves = {}
+    for run in sorted(data["runs"], key=lambda r: "runs=" in r["key"]):
+        for name, v in run["figures"].items():
+            if name not in curves:  # "exact" once, from the first run
+                steps = [10 * i for i in range(len(v["losses_every_10"]))]
+                curves[name] = (steps, v["losses_every_10"])
+    return _loss_curves(curves, plt)
+
+
+def _quantized_runs(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs by ranks, then width."""
+    return sorted(data["runs"], key=lambda r: (r["figures"]["ranks"], r["figures"]["n_embd"]))
+
+
+def quantized_step(data: dict[str, Any]) -> str:
+    kinds = ["all_gather", "reduce_scatter", "all_to_all", "all_reduce"]
+    rows, shares = [], []
+    for run in _quantized_runs(data):
+        f = run["figures"]
+        size = f"{f['n_embd']} ({f['param_mib']} MiB)"
+        for name, v in f["systems"].items():
+            rows.append(
+                [
+                    str(f["ranks"]),
+                    size,
+                    name,
+                    f"{v['median_ms']:.1f}",
+                    f"{v['time_ratio_exact']:.3f}",
+                    f"{v['time_ratio_fsdp2']:.3f}",
+                    *(f"{v['bytes'][k]:,}" for k in kinds),
+                    f"{v['bytes_ratio_exact']:.3f}",
+                ]
+            )
+        s = f["systems"]
+        shares.append(
+            [
+                str(f["ranks"]),
+                size,
+                f"{s['exact']['median_ms']:.1f}",
+                f"{s['exact, no collectives']['median_ms']:.1f}",
+                f"{f['collective_share']:.1%}",
+            ]
+        )
+    header = ["ranks", "n_embd (fp32 Ψ)", "system", "step ms", "/ exact", "/ FSDP2"]
+    header += [f"{k.replace('_', '-')} B" for k in kinds] + ["bytes / exact"]
+    table = _table(header, rows, ":--|:--|:--" + "|--:" * 8)
+    header = ["ranks", "n_embd (fp32 Ψ)", "exact ms", "without collectives ms"]
+    share = _table([*header, "collectives' share"], shares, ":--|:--|--:|--:|--:")
+    image = _image("quantized_step", "step time and bytes of exact, quantized FSDP and FSDP2")
+    return "\n\n".join([image, _sources(data), table, share])
+
+
+def plot_quantized_step(data: dict[str, Any], plt: Any) -> Any:
+    runs = _quantized_runs(data)
+    names = list(runs[0]["figures"]["systems"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(runs))]
+        s = [r["figures"]["systems"][name] for r in runs]
+        style = dict(label=name, color=COLOURS[name])
+        a.bar(xs, [v["median_ms"] for v in s], width, **style)
+        b.bar(xs, [v["bytes_ratio_exact"] for v in s], width, **style)
+    labels = [f"{r['figures']['ranks']} ranks\nn_embd {r['figures']['n_embd']}" for r in runs]
+    for ax in (a, b):
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels(labels, fontsize=7)
+    a.set_yscale("log")
+    a.set_ylabel("step time, ms (median)")
+    b.set_ylabel("bytes a rank sends per step / exact")
+    b.set_ylim(0, 1.45)  # room for the legend above the bars
+    b.legend(fontsize=7, ncol=2, loc="upper center")
+    return fig
 
 
 MUON_NAMES = {
@@ -472,6 +553,7 @@ PAGES: dict[str, Callable[[dict[str, Any]], str]] = {
     "checkpoint_cost": checkpoint_cost,
     "cp_scaling": cp_scaling,
     "quantized_gather": quantized_gather,
+    "quantized_step": quantized_step,
     "muon_step": muon_step,
     "muon_loss": muon_loss,
     "ft_overhead": ft_overhead,
@@ -483,6 +565,7 @@ PLOTS: dict[str, Callable[[Any], Any]] = {
     "qlora_memory": lambda plt: plot_phases(load("qlora_memory"), plt, skip=("step seconds",)),
     "cp_scaling": lambda plt: plot_cp_scaling(load("cp_scaling"), plt),
     "quantized_gather": lambda plt: plot_quantized_gather(load("quantized_gather"), plt),
+    "quantized_step": lambda plt: plot_quantized_step(load("quantized_step"), plt),
     "muon_step": lambda plt: plot_muon_step(load("muon_step"), plt),
     "muon_loss": lambda plt: plot_muon_loss(load("muon_loss"), plt),
 }

@@ -7,7 +7,7 @@ steps, with ``Policy(gather_quantization=ff.QuantizedGather(block_size))``, with
 exact,int8,float8]``: the loss curve of each run (every 10 steps), the mean loss of the last
 50 steps and its ratio to the exact run's, the all-gather and reduction bytes per step and
 the median step time. ``--runs exact,qgz`` trains with int8 gradient reduction
-(``ff.QuantizedReduce``, ZeRO++'s qgZ) instead. Writes
+(``ff.QuantizedReduce``, ZeRO++'s qgZ) instead; ``qgz4`` with 4-bit gradients. Writes
 ``benchmarks/results/quantized_gather.json``. CPU times on a shared 2-core machine are noisy,
 and gloo on one host moves bytes through memory: the bytes, not the times, are what a slow
 interconnect would feel.
@@ -36,6 +36,7 @@ def _policy(run: str, block_size: int) -> ff.Policy:
         "int8": ff.Policy(gather_quantization=ff.QuantizedGather(block_size=block_size)),
         "float8": ff.Policy(gather_quantization=ff.Float8Gather()),
         "qgz": ff.Policy(grad_quantization=ff.QuantizedReduce(block_size=block_size)),
+        "qgz4": ff.Policy(grad_quantization=ff.QuantizedReduce(block_size=block_size, bits=4)),
     }[run]
 
 
@@ -89,6 +90,7 @@ def main(steps: int, block_size: int, runs: list[str]) -> None:
             "int8": f"int8, block {block_size}",
             "float8": "float8 e4m3",
             "qgz": f"int8 gradients, block {block_size}",
+            "qgz4": f"4-bit gradients, block {block_size}",
         }
         results = {names[run]: pool.run(worker, steps, run, block_size)[0] for run in runs}
     finally:
