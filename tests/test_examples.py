@@ -42,22 +42,22 @@ def _torchrun(script: str, *args: str, nproc: int = 2) -> str:
     ],
     ids=["fsdp", "zero1_accumulate", "zero2_bf16", "fsdp_compiled"],
 )
-def test_train_gpt_loss_falls(extra):
-    out = _torchrun(
-        "examples/train_gpt.py",
-        "--steps",
-        "30",
-        "--layers",
-        "1",
-        "--width",
-        "64",
-        "--sample-chars",
-        "20",
-        *extra,
-    )
+def test_train_gpt_loss_falls(extra, tmp_path):
+    args = ["--steps", "30", "--layers", "1", "--width", "64", "--sample-chars", "20", *extra]
+    ckpt = tmp_path / "gpt"
+    if extra == ["--strategy", "fsdp"]:  # and resumes from its checkpoint directory
+        args += ["--checkpoint-dir", str(ckpt), "--save-every", "15"]
+    out = _torchrun("examples/train_gpt.py", *args)
     first, last = map(float, re.search(r"loss: first ([\d.]+), last ([\d.]+)", out).groups())
     assert last < first - 0.5, out
     assert "sample:" in out
+    if ckpt.exists():
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000015", "step_00000030"]
+        shutil.rmtree(ckpt / "step_00000030")  # as if the job died before its last checkpoint
+        again = _torchrun("examples/train_gpt.py", *args, "--resume")
+        assert f"resumed from step 15 of {ckpt}" in again, again
+        resumed = re.search(r"last ([\d.]+)", again)
+        assert resumed and float(resumed.group(1)) == last, (out, again)
 
 
 # --------------------------------------------------------------------------- the docs' figures
@@ -124,7 +124,8 @@ def test_train_gpt_2d_loss_falls():
     assert re.search(r"all_reduce\s+tp\s+\d+", out)
 
 
-def test_finetune_lora_trains_exports_and_resumes_exactly(tmp_path):
+def test_finetune_lora_trains_and_exports(tmp_path):
+    # Its resume from a checkpoint: the QLoRA run below (the same script and resume path).
     ckpt = str(tmp_path / "ckpt")
     args = ["--steps", "4", "--save-every", "2", "--checkpoint-dir", ckpt, "--sample-tokens", "10"]
     out = _torchrun("examples/finetune_lora.py", *args)
@@ -133,13 +134,7 @@ def test_finetune_lora_trains_exports_and_resumes_exactly(tmp_path):
     assert (
         "sample: 'The " in out and (tmp_path / "ckpt" / "adapter" / "adapter_config.json").exists()
     )
-    # Lose the last checkpoint, as a crash after step 2 would; the resumed run must end on
-    # exactly the same loss.
-    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
-    out = _torchrun("examples/finetune_lora.py", *args, "--resume")
-    assert "resumed at step 2" in out, out
-    resumed = re.search(r"steps 2\.\.4: loss [\d.]+ -> ([\d.]+)", out)
-    assert resumed and resumed.group(1) == first.group(2), out
+    assert (tmp_path / "ckpt" / "step_00000004").is_dir()
 
 
 def test_finetune_lora_qlora_on_local_jsonl_resumes_exactly(tmp_path):
