@@ -45,6 +45,8 @@ COLOURS = {
     "int8 weights + 4-bit grads": "#2ca02c",
     "float8 weights": "#9467bd",
     "exact, no collectives": "#7f7f7f",
+    "exact, ff.jit": "#17becf",
+    "int8 weights + int8 grads, ff.jit": "#bcbd22",
 }
 
 
@@ -425,15 +427,19 @@ def quantized_step(data: dict[str, Any]) -> str:
 
 def plot_quantized_step(data: dict[str, Any], plt: Any) -> Any:
     runs = _quantized_runs(data)
-    names = list(runs[0]["figures"]["systems"])
+    names = list(dict.fromkeys(n for r in runs for n in r["figures"]["systems"]))
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(runs))]
-        s = [r["figures"]["systems"][name] for r in runs]
+        present = [
+            (j, r["figures"]["systems"][name])
+            for j, r in enumerate(runs)
+            if name in r["figures"]["systems"]  # --compiled runs have two systems more
+        ]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j, _ in present]
         style = dict(label=name, color=COLOURS[name])
-        a.bar(xs, [v["median_ms"] for v in s], width, **style)
-        b.bar(xs, [v["bytes_ratio_exact"] for v in s], width, **style)
+        a.bar(xs, [v["median_ms"] for _, v in present], width, **style)
+        b.bar(xs, [v["bytes_ratio_exact"] for _, v in present], width, **style)
     labels = [f"{r['figures']['ranks']} ranks\nn_embd {r['figures']['n_embd']}" for r in runs]
     for ax in (a, b):
         ax.set_xticks(range(len(runs)))

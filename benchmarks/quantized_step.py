@@ -3,7 +3,7 @@ exact FSDP and torch FSDP2: the example GPT trained with AdamW over a ``{"dp": N
 gloo ranks, at two sizes, every system in the same processes, in rotation step by step.
 
 ``python benchmarks/quantized_step.py [--steps 24] [--ranks 2,4] [--sizes 128,384]
-[--batch 4] [--seq 64]``: for each number of ranks and each width (4 layers, ``--batch``
+[--batch 4] [--seq 64] [--compiled]``: for each number of ranks and each width (4 layers, ``--batch``
 sequences of ``--seq`` tokens per rank, vocabulary 512), the median step time of
 ``ff.train_step`` with exact collectives, with int8 weights and int8 gradients
 (``QuantizedGather`` and ``QuantizedReduce``, blocks of 256), with int8 weights and 4-bit
@@ -14,7 +14,8 @@ per step by kind of collective (``ff.count_comms``; FSDP2's counted as step_vs_f
 counts them). The rotation also holds the exact step without collectives (on a
 ``{"ranks": N, "dp": 1}`` mesh: each rank alone on its batch, its parameters whole): the
 exact step's excess over it is the share of the step its collectives (and the sharding
-around them) take. Each rank runs one thread. Writes
+around them) take. ``--compiled`` adds the exact and the int8 steps compiled by ``ff.jit``
+(inductor fuses the quantization's elementwise passes). Each rank runs one thread. Writes
 ``benchmarks/results/quantized_step.json``, one run per ranks and width (``"ranks=2,
 n_embd=128"``). CPU times on a shared 2-core machine are noisy, 4 ranks share its 2 cores,
 and gloo on one host moves bytes through memory: the bytes, not the times, are what a slow
@@ -62,8 +63,11 @@ def policies() -> dict[str, ff.Policy]:
     }
 
 
-def _ff_step(model: torch.nn.Module, mesh: Any, policy: ff.Policy, **kw: Any) -> Step:
-    """``ff.train_step`` with AdamW on ``model`` sharded over ``mesh``; the state kept inside."""
+def _ff_step(
+    model: torch.nn.Module, mesh: Any, policy: ff.Policy, *, jit: bool = False, **kw: Any
+) -> Step:
+    """``ff.train_step`` with AdamW on ``model`` sharded over ``mesh``; the state kept inside.
+    ``jit``: the step compiled by ``ff.jit`` (inductor)."""
     sharded = ff.fsdp(model, mesh, policy=policy, **kw)
     opt = ff.adamw(1e-3, weight_decay=0.1)
     step = ff.train_step(
@@ -72,6 +76,8 @@ def _ff_step(model: torch.nn.Module, mesh: Any, policy: ff.Policy, **kw: Any) ->
         model=sharded,
         batch="local",
     )
+    if jit:
+        step = ff.jit(step)
     holder = {"state": ff.TrainState.create(sharded.shard(), opt)}
 
     def run(b: torch.Tensor) -> None:
@@ -98,8 +104,9 @@ def _fsdp2_step(model: torch.nn.Module, mesh: Any) -> Step:
     return run
 
 
-def worker(width: int, steps: int, rows: int, seq: int) -> dict[str, Any]:
-    """Every system on this rank, in rotation; rank 0's times, and each system's bytes."""
+def worker(width: int, steps: int, rows: int, seq: int, compiled: bool) -> dict[str, Any]:
+    """Every system on this rank, in rotation; rank 0's times, and each system's bytes.
+    ``compiled``: the exact and the int8 steps compiled by ``ff.jit`` too."""
     from step_vs_fsdp2 import _CountC10d, _rotation
 
     torch.set_num_threads(1)
@@ -109,20 +116,24 @@ def worker(width: int, steps: int, rows: int, seq: int) -> dict[str, Any]:
     model = GPT(cfg)
     mesh = ff.make_mesh({"dp": world})
     systems = {name: _ff_step(model, mesh, policy) for name, policy in policies().items()}
+    if compiled:
+        for name in ("exact", "int8 weights + int8 grads"):
+            systems[f"{name}, ff.jit"] = _ff_step(model, mesh, policies()[name], jit=True)
     alone = ff.make_mesh({"ranks": world, "dp": 1})
     systems[LOCAL] = _ff_step(model, alone, ff.Policy(), data_axes=["dp"])
     systems["torch FSDP2"] = _fsdp2_step(model, mesh)
 
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {name: [] for name in systems}
-    for i in range(steps + 2):
+    warm = 4 if compiled else 2  # warm-up steps (compilation's among them)
+    for i in range(steps + warm):
         b = torch.randint(0, cfg.vocab_size, (rows, seq + 1), generator=gen)
         for name in _rotation(list(systems), i):
             torch.distributed.barrier()
             t = time.perf_counter()
             systems[name](b)
             torch.distributed.barrier()
-            if i >= 2:  # two warm-up steps
+            if i >= warm:
                 times[name].append(time.perf_counter() - t)
 
     sent: dict[str, dict[str, int]] = {}
@@ -172,6 +183,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="128,384", help="widths (n_embd), 4 layers each")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument(
+        "--compiled", action="store_true", help="the exact and int8 steps under ff.jit too"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))  # the workers get this path too: step_vs_fsdp2's helpers
     from _results import record
@@ -180,7 +194,7 @@ def main() -> None:
         pool = ff.ProcessPool(ranks, device_type="cpu", timeout=1800)
         try:
             for width in [int(s) for s in args.sizes.split(",")]:
-                out = pool.run(worker, width, args.steps, args.batch, args.seq)[0]
+                out = pool.run(worker, width, args.steps, args.batch, args.seq, args.compiled)[0]
                 f = figures(out, ranks, width, args.steps)
                 print(f"ranks={ranks}, n_embd={width}: {f}")
                 record(
