@@ -22,6 +22,18 @@ def model() -> torch.nn.Module:
     return GPT(CFG).double()
 
 
+def llama() -> torch.nn.Module:
+    """A transformers Llama from a tiny config (never downloaded), in float64."""
+    from ._zoo import ZOO
+
+    return ZOO["llama"].build().double()
+
+
+def logits(out: Any) -> torch.Tensor:
+    """A model's logits: our GPT's output, or a transformers output's ``.logits``."""
+    return getattr(out, "logits", out)
+
+
 def data() -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
 
@@ -60,7 +72,7 @@ def step(
     params = sharded.shard()
     opt = ff.sgd(1.0)
     train = ff.train_step(
-        lambda p, b: lm_loss(sharded.apply(p, b[:, :-1]), b[:, 1:]), opt, model=sharded
+        lambda p, b: lm_loss(logits(sharded.apply(p, b[:, :-1])), b[:, 1:]), opt, model=sharded
     )
     with ff.count_comms() as comms:
         new, metrics = train(ff.TrainState.create(params, opt, opt_specs=opt_specs), batch)
@@ -153,11 +165,13 @@ def traced_equals_eager(option: Any, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def qgz_on_ranks(axes: dict[str, int], option: Any, **zero: Any) -> dict[str, Any]:
+def qgz_on_ranks(
+    axes: dict[str, int], option: Any, build: Any = model, **zero: Any
+) -> dict[str, Any]:
     """A step with quantized gradient reduction (``option``, a ``QuantizedReduce``) and an
-    exact one (``zero``: :func:`step`'s ``specs`` and ``opt_specs``)."""
+    exact one, on ``build()`` (``zero``: :func:`step`'s ``specs`` and ``opt_specs``)."""
     mesh = ff.make_mesh(axes)
-    m, batch = model(), data()
+    m, batch = build(), data()
     return {
         "qgz": step(mesh, m, batch, policy=ff.Policy(grad_quantization=option), **zero),
         "exact": step(mesh, m, batch, quantized=False, **zero),

@@ -25,15 +25,16 @@ INT4 = ff.QuantizedReduce(block_size=W.BLOCK, bits=4)
 MAJOR_FIRST = ff.QuantizedReduce(block_size=W.BLOCK, hierarchical=False)
 
 
-def _local_grads(n: int) -> list[dict[str, torch.Tensor]]:
+def _local_grads(n: int, build: Any = W.model) -> list[dict[str, torch.Tensor]]:
     """Each of ``n`` ranks' local gradient: one process, on that rank's rows of the batch."""
-    m, batch = W.model(), W.data()
+    m, batch = build(), W.data()
     rows = batch.shape[0] // n
     out = []
     for r in range(n):
         b = batch[r * rows : (r + 1) * rows]
         params = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
-        lm_loss(torch.func.functional_call(m, params, (b[:, :-1],)), b[:, 1:]).backward()
+        out_r = torch.func.functional_call(m, params, (b[:, :-1],))
+        lm_loss(W.logits(out_r), b[:, 1:]).backward()
         out.append({name: p.grad for name, p in params.items()})
     return out
 
@@ -51,7 +52,7 @@ def _qdq(x: torch.Tensor, option: ff.QuantizedReduce) -> torch.Tensor:
 
 
 def _emulated_grads(
-    axes: dict[str, int], option: ff.QuantizedReduce, *, hpz: bool = False
+    axes: dict[str, int], option: ff.QuantizedReduce, *, hpz: bool = False, build: Any = W.model
 ) -> dict[str, torch.Tensor]:
     """The mean gradient as ``option`` reduces it over a ``{"major": N[, "minor": G]}`` data
     mesh, emulated in one process: blocks quantized where a rank sends them, summed where
@@ -63,7 +64,7 @@ def _emulated_grads(
     groups = axes.get("replicate", 1)
     sizes = [size for axis, size in axes.items() if axis != "replicate"]
     n, g = sizes + [1] * (2 - len(sizes))
-    local = _local_grads(groups * n * g)
+    local = _local_grads(groups * n * g, build)
     if hpz:  # ranks (i, j) as the layout orders them, (j, i)
         local = [local[i * g + j] for j in range(g) for i in range(n)]
         n, g, option = g, n, dataclasses.replace(option, hierarchical=False)
@@ -99,10 +100,21 @@ def _reduced(
     return out
 
 
-def _check(got: dict[str, Any], exact: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+def _check(
+    got: dict[str, Any],
+    exact: dict[str, Any],
+    want: dict[str, torch.Tensor],
+    exact_want: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The quantized step's gradients are ``want``; the exact step's are one process's
+    (``exact_want``, or our GPT's reference)."""
     for name, g in want.items():
         assert float((got["grads"][name] - g).abs().max()) < 1e-12, name
-    _equal_to_one_process(exact, "weights")  # the exact path is untouched
+    if exact_want is None:
+        _equal_to_one_process(exact, "weights")  # the exact path is untouched
+    else:
+        for name, g in exact_want.items():
+            assert float((exact["grads"][name] - g).abs().max()) < 1e-12, name
     assert any(not torch.allclose(g, exact["grads"][k], atol=1e-9) for k, g in got["grads"].items())
     assert got["loss"] == exact["loss"]  # the forward is exact
 
@@ -226,6 +238,21 @@ def test_two_hops_on_four_gloo_ranks_cut_the_bytes_between_nodes(pools: Any, opt
     for axis in axes:
         priced = W.planned_bytes(axes, None, "all_to_all", grad_quantization=option)
         assert priced == sum(got["all_to_all", a] for a in axes), axis
+
+
+@pytest.mark.multiprocess
+def test_a_transformers_llama_reduces_in_two_hops_on_four_gloo_ranks(pools: Any) -> None:
+    # A model nobody here wrote (tied-free Llama with GQA, built from a config), 4-bit.
+    axes = {"node": 2, "gpu": 2}
+    results = pools.run(4, W.qgz_on_ranks, axes, INT4, W.llama)
+    want = _emulated_grads(axes, INT4, build=W.llama)
+    local = _local_grads(4, W.llama)
+    exact_want = {name: sum(g[name] for g in local) / 4 for name in local[0]}
+    for r in results:
+        _check(r["qgz"], r["exact"], want, exact_want)
+    got, exact = results[0]["qgz"]["bytes"], results[0]["exact"]["bytes"]
+    assert got["all_to_all", "node"] < got["all_to_all", "gpu"]
+    assert ("reduce_scatter", "node") in exact and ("reduce_scatter", "node") not in got
 
 
 @pytest.mark.multiprocess
