@@ -97,22 +97,20 @@ class BlockCodec:
 
     def pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         """The pieces as one uint8 buffer; each piece's blocks start at its first element."""
-        flat = torch.cat([p.detach().reshape(-1) for p in pieces])
-        return self.pack_rows(flat[None], [p.numel() for p in pieces])[0]
+        return self.pack_rows([p.detach().reshape(1, -1) for p in pieces])[0]
 
-    def pack_rows(self, rows: torch.Tensor, numels: Sequence[int]) -> torch.Tensor:
-        """Each row of ``rows`` (``[n, sum(numels)]``, pieces of ``numels`` elements) as
-        :meth:`pack` sends it: ``[n, packed bytes]``, quantized piece by piece for all rows
-        at once."""
-        values, scales, offset = [], [], 0
-        for k in numels:
-            q, scale = _quantize_rows(rows[:, offset : offset + k], self.block_size, self.bits)
+    def pack_rows(self, columns: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``n`` buffers as :meth:`pack` sends them, ``[n, packed bytes]``: buffer ``r`` holds
+        row ``r`` of every piece in ``columns`` (each ``[n, numel]``), each piece quantized
+        for all rows at once."""
+        values, scales = [], []
+        for piece in columns:
+            q, scale = _quantize_rows(piece, self.block_size, self.bits)
             values.append(q)
             scales.append(scale.view(torch.uint8))
-            offset += k
         packed = _to_bytes(torch.cat(values, dim=1), self.bits)
         size = packed.shape[1] + sum(s.shape[1] for s in scales)
-        return torch.cat([*scales, packed, packed.new_zeros(rows.shape[0], -size % 4)], dim=1)
+        return torch.cat([*scales, packed, packed.new_zeros(packed.shape[0], -size % 4)], dim=1)
 
     def unpack(
         self, buffers: torch.Tensor, numels: Sequence[int], dtype: torch.dtype

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._buckets import Piece, pack_grads, unpack_reduced
 from ..distributed import collectives as C
 from ..distributed.axes import axis_sizes
-from .quantized_gather import BlockCodec, _compute_dtype, _qmax, check_block_size
+from .quantized_gather import BlockCodec, _compute_dtype, check_block_size
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,10 @@ class QuantizedReduce:
 
     def __post_init__(self) -> None:
         check_block_size(self)
-        try:
-            _qmax(self.bits)
-        except ValueError:
+        if self.bits not in (4, 8):
             raise ValueError(
                 f"QuantizedReduce(bits={self.bits!r}): 8 (int8 blocks) or 4 (two values per byte)."
-            ) from None
+            )
         if self.bits == 4 and self.block_size % 2:
             raise ValueError(
                 f"QuantizedReduce(block_size={self.block_size}, bits=4): 4-bit values are "
@@ -146,7 +144,8 @@ class QuantizedReduce:
         ``axis``, what arrives dequantized and summed: ``[m, total]`` in the compute dtype."""
         n, m = x.shape[0], x.shape[1]
         codec = self._codec()
-        packed = codec.pack_rows(x.reshape(n * m, -1), numels)  # row (k, i) for rank k
+        rows = x.reshape(n * m, -1)  # row (k, i) for rank k
+        packed = codec.pack_rows(rows.split(list(numels), dim=1))
         size = packed.shape[1] * m
         group = mesh if len(axis_sizes(mesh)) == 1 else mesh[axis]
         got = C.raw_all_to_all(packed.view(-1), group, [size] * n, [size] * n, counters=counters)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._compare import FEWER_BYTES, STRATEGIES, Comparison, compare_strategies
+from ._compare import NAMES, STRATEGIES, Comparison, compare_strategies
 
 # Well-known shapes, as transformers configs: {name: (model_type, description, config)}.
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -133,11 +133,10 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 def _parse_strategies(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in STRATEGIES + FEWER_BYTES]
+    unknown = [s for s in names if s not in NAMES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"--strategies {text!r}: choose from {', '.join(STRATEGIES + FEWER_BYTES)} "
-            f"(comma-separated)."
+            f"--strategies {text!r}: choose from {', '.join(NAMES)} (comma-separated)."
         )
     return names
 
@@ -173,7 +172,7 @@ def parser() -> argparse.ArgumentParser:
         "--strategies",
         type=_parse_strategies,
         default=None,
-        help=f"comma-separated, from {','.join(STRATEGIES + FEWER_BYTES)} (default: the "
+        help=f"comma-separated, from {','.join(NAMES)} (default: the "
         f"exact ones the mesh allows: hsdp needs a shard axis, fsdp+tp a tp axis and a "
         f"Llama-like model; zero++ takes shard's size, default 8, as the GPUs per node)",
     )

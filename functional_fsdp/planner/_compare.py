@@ -30,6 +30,7 @@ from ._render import comparison_table, have_matplotlib, text_chart, to_html, to_
 STRATEGIES = ("ddp", "zero1", "zero2", "shard_grad_op", "zero3", "hsdp", "fsdp+tp")
 # Priced only when named: ZeRO-3 with fewer bytes on the wire.
 FEWER_BYTES = ("zero++", "zero3+float8")
+NAMES = STRATEGIES + FEWER_BYTES  # every name compare_strategies takes
 
 # The ZeRO paper's bytes per parameter per device: (replicated, divided by N), K = 12.
 PAPER_K = 12
@@ -208,11 +209,10 @@ def compare_strategies(
         >>> [(r.name, r.opt_state_bytes) for r in sgd_too.reports]
         [('zero3/adamw', 33280), ('zero3/sgd', 0)]
     """
-    unknown = [s for s in strategies if s not in STRATEGIES + FEWER_BYTES]
+    unknown = [s for s in strategies if s not in NAMES]
     if unknown:
         raise ValueError(
-            f"compare_strategies: unknown strategy {unknown[0]!r}; choose from "
-            f"{STRATEGIES + FEWER_BYTES}."
+            f"compare_strategies: unknown strategy {unknown[0]!r}; choose from {NAMES}."
         )
     base = dict(
         mixed_precision=mixed_precision or MixedPrecision(),
